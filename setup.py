@@ -1,0 +1,39 @@
+"""relf_jax: a JAX/TPU-first model zoo for low-latency chatbots."""
+
+from setuptools import find_packages, setup
+
+CORE = [
+    "jax>=0.10.2",
+    "flax>=0.12",
+    "optax>=0.2.4",
+    "orbax-checkpoint>=0.11",
+    "grain>=0.2.12",
+    "tensorflow-datasets>=4.9.9",
+    "importlib_resources",
+    "sentencepiece>=0.2",
+    "numpy>=1.26",
+    "tqdm>=4.66",
+    "matplotlib>=3.8",
+    "tensorboardX>=2.6",
+    "chatterbot-corpus>=1.2",
+]
+
+EXTRAS = {
+    "dev": ["pytest>=8", "ruff>=0.6"],
+    # Only for HuggingFace interop tests; torch is pinned to the CPU wheel on purpose.
+    "hf": ["torch==2.13.0", "transformers", "safetensors"],
+}
+
+setup(
+    name="relf_jax",
+    version="0.1.0",
+    description="JAX/TPU-first model zoo for low-latency chatbots: ReLF, NSD, RCSD, DWS.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["relf_jax*", "kernels_pallas*", "experiments*"]),
+    package_data={"experiments": ["configs/*.json"]},
+    install_requires=CORE,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["relf-jax=experiments.launch:main"]},
+)
