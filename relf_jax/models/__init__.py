@@ -1,0 +1,18 @@
+"""Networks only: token ids (or noisy embeddings) in, logits out.
+
+`build_model(cfg, rngs)` picks the family named by ``cfg.family``.
+"""
+
+from flax import nnx
+
+from relf_jax.config import ModelConfig
+from relf_jax.models.causal_lm import CausalLM
+
+FAMILIES = {"ar": CausalLM}
+
+
+def build_model(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    """Instantiate the network family `cfg.family` with concrete parameters."""
+    if cfg.family not in FAMILIES:
+        raise ValueError(f"unknown model family {cfg.family!r}; valid: {', '.join(FAMILIES)}")
+    return FAMILIES[cfg.family](cfg, rngs=rngs)

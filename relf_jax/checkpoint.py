@@ -1,0 +1,136 @@
+"""Orbax checkpoints: model + optimizer state, step, data-iterator state, config and tokenizer.
+
+One `Checkpointer` per run directory wraps an async, keep-N ``ocp.CheckpointManager``. Each
+checkpoint holds three items:
+
+- ``state``: the pytree ``{"params": ..., "opt_state": ...}`` (restored into sharded targets),
+- ``data``: the input iterator's state (JSON),
+- ``meta``: step, model family, the full config and the tokenizer model (base64), so a
+  checkpoint is self-contained.
+
+`restore_latest` walks the steps newest first: a checkpoint that fails to restore (truncated,
+corrupt) is skipped with a warning and the previous one is used.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import warnings
+from typing import Any, Optional
+
+import jax
+import orbax.checkpoint as ocp
+
+from relf_jax.errors import UserError
+
+_log = logging.getLogger(__name__)
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint could not be restored and an older one was used instead."""
+
+
+def _jsonable(state: Any) -> Any:
+    if isinstance(state, bytes):
+        return {"__bytes_b64__": base64.b64encode(state).decode()}
+    if isinstance(state, dict):
+        return {k: _jsonable(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return [_jsonable(v) for v in state]
+    return state
+
+
+def _from_jsonable(state: Any) -> Any:
+    if isinstance(state, dict):
+        if set(state) == {"__bytes_b64__"}:
+            return base64.b64decode(state["__bytes_b64__"])
+        return {k: _from_jsonable(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_from_jsonable(v) for v in state]
+    return state
+
+
+def abstract_like(tree: Any, shardings: Any = None) -> Any:
+    """ShapeDtypeStructs (with shardings) describing `tree`: the restore target."""
+    if shardings is None:
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+class Checkpointer:
+    """Async keep-N checkpoints under ``<workdir>/checkpoints``."""
+
+    def __init__(self, workdir: str, keep: int = 3, async_save: bool = True):
+        self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                               create=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def save(self, step: int, state: Any, *, data_state: Any = None, meta: Optional[dict] = None,
+             tokenizer_bytes: Optional[bytes] = None, force: bool = False) -> bool:
+        meta = dict(meta or {})
+        meta["step"] = int(step)
+        if tokenizer_bytes is not None:
+            meta["tokenizer_b64"] = base64.b64encode(tokenizer_bytes).decode()
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=ocp.args.JsonSave(_jsonable({"iterator": data_state})),
+            meta=ocp.args.JsonSave(meta),
+        )
+        return self.manager.save(int(step), args=args, force=force)
+
+    def restore(self, step: int, target: Any) -> tuple[Any, Any, dict]:
+        """Restore checkpoint `step` into `target` (abstract pytree with shardings)."""
+        out = self.manager.restore(int(step), args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target),
+            data=ocp.args.JsonRestore(),
+            meta=ocp.args.JsonRestore(),
+        ))
+        return out["state"], _from_jsonable(out["data"])["iterator"], dict(out["meta"])
+
+    def read_meta(self, step: int) -> dict:
+        out = self.manager.restore(int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(out["meta"])
+
+    def restore_latest(self, target: Any, *, family: Optional[str] = None):
+        """Restore the newest checkpoint that loads; None when there is none.
+
+        A checkpoint from another model `family` is a `UserError`. A checkpoint that fails to
+        load is reported with a `CheckpointWarning` and the next older one is tried.
+        """
+        for step in reversed(self.steps()):
+            try:
+                meta = self.read_meta(step)
+            except Exception as e:  # noqa: BLE001 - any read failure means: try the previous one
+                warnings.warn(f"checkpoint {step} in {self.directory} is unreadable ({type(e).__name__}); "
+                              "trying the previous one", CheckpointWarning, stacklevel=2)
+                continue
+            if family is not None and meta.get("family") not in (None, family):
+                raise UserError(f"checkpoint {step} in {self.directory} holds a {meta.get('family')!r} model, "
+                                f"not {family!r}")
+            try:
+                state, data_state, meta = self.restore(step, target)
+            except Exception as e:  # noqa: BLE001
+                warnings.warn(f"checkpoint {step} in {self.directory} is corrupt or truncated "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                              "restoring the previous one", CheckpointWarning, stacklevel=2)
+                continue
+            return step, state, data_state, meta
+        return None
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def tokenizer_bytes_from_meta(meta: dict) -> Optional[bytes]:
+    b64 = meta.get("tokenizer_b64")
+    return base64.b64decode(b64) if b64 else None

@@ -1,0 +1,327 @@
+"""Typed, validated, layered configuration.
+
+A run is described by one `Config`: a tree of frozen dataclasses (model, data, train, sample,
+mesh, checkpoint). It is built in three layers:
+
+1. defaults (the dataclass field defaults),
+2. a named preset (`tiny`, `cpu`, `small`, `medium`, `large`),
+3. `key=value` overrides, e.g. ``model.num_layers=4 train.steps=200 sample.temperature=0.8``.
+
+Every override is checked: an unknown key or a value of the wrong type raises `ConfigError`
+with a one-line message that names the key and the valid choices. Values are then validated
+(`Config.validate`), so impossible settings (temperature < 0, top_p outside (0, 1], ...) fail
+before any compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from typing import Any, Literal, Optional
+
+from relf_jax.errors import UserError
+
+
+class ConfigError(UserError):
+    """A bad preset, key or value. The message is one line meant for the user."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Network shape. `vocab_size` 0 means: take it from the tokenizer."""
+
+    family: Literal["ar"] = "ar"
+    vocab_size: int = 0
+    d_model: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 0  # 0: d_model // num_heads
+    mlp_dim: int = 384
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where text comes from and how it is cut into training rows."""
+
+    source: str = "synthetic_chat"  # synthetic_chat | chatterbot | text_files | tfds:<name>
+    path: str = ""  # for text_files: a .txt/.jsonl file, a directory or a glob
+    num_train: int = 20000  # synthetic_chat conversations
+    num_validation: int = 500
+    data_seed: int = 0
+    topics: str = ""  # synthetic_chat topic subset, e.g. "0,1,2"; empty: all
+    seq_len: int = 128
+    vocab_size: int = 1024  # tokenizer size
+    tokenizer_type: Literal["bpe", "unigram"] = "bpe"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 600
+    batch_size: int = 16
+    grad_accum: int = 1
+    learning_rate: float = 3e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 200
+    eval_batches: int = 4
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 3
+    async_checkpoint: bool = True
+    progress: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleConfig:
+    num_samples: int = 32
+    batch_size: int = 8
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    prompt: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh. -1 on one axis means: all the devices the other axes leave."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    distributed: Literal["auto", "on", "off"] = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    preset: str = "cpu"
+    workdir: str = "runs/default"
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    sample: SampleConfig = SampleConfig()
+    mesh: MeshConfig = MeshConfig()
+
+    def validate(self) -> "Config":
+        """Raise `ConfigError` for values no run can use; return self."""
+        m, d, t, s = self.model, self.data, self.train, self.sample
+        _check(m.d_model > 0 and m.num_layers > 0, "model.d_model and model.num_layers must be > 0")
+        _check(m.num_heads > 0 and m.num_kv_heads > 0, "model.num_heads and model.num_kv_heads must be > 0")
+        _check(m.num_heads % m.num_kv_heads == 0,
+               f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}")
+        _check(m.head_dim > 0 or m.d_model % m.num_heads == 0,
+               f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads} (or set model.head_dim)")
+        _check(m.resolved_head_dim % 2 == 0, "the head dimension must be even (RoPE rotates pairs)")
+        _check(d.seq_len >= 2, "data.seq_len must be >= 2")
+        _check(d.seq_len <= m.max_seq_len,
+               f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        _check(d.vocab_size >= 16, "data.vocab_size must be >= 16")
+        _check(t.steps >= 0 and t.batch_size > 0 and t.grad_accum > 0,
+               "train.steps >= 0, train.batch_size > 0 and train.grad_accum > 0 are required")
+        _check(t.batch_size % t.grad_accum == 0,
+               f"train.batch_size={t.batch_size} must be divisible by train.grad_accum={t.grad_accum}")
+        _check(t.learning_rate > 0, "train.learning_rate must be > 0")
+        _check(t.checkpoint_every > 0 and t.keep_checkpoints > 0 and t.log_every > 0 and t.eval_every > 0,
+               "train.checkpoint_every, train.keep_checkpoints, train.log_every and train.eval_every must be > 0")
+        validate_sampling(s.temperature, s.top_k, s.top_p)
+        _check(s.num_samples > 0 and s.batch_size > 0 and s.max_new_tokens > 0,
+               "sample.num_samples, sample.batch_size and sample.max_new_tokens must be > 0")
+        for name in ("data", "fsdp", "tensor"):
+            v = getattr(self.mesh, name)
+            _check(v == -1 or v > 0, f"mesh.{name} must be -1 or > 0, got {v}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Config":
+        return _from_dict(cls, d, prefix="")
+
+
+def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    """The sampling settings every generator shares; raise `ConfigError` if unusable."""
+    _check(temperature >= 0, f"temperature must be >= 0, got {temperature}")
+    _check(top_k >= 0, f"top_k must be >= 0, got {top_k}")
+    _check(0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p}")
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+# ----------------------------------------------------------------------------- presets
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # CPU tests: trains in seconds.
+    "tiny": {
+        "model.d_model": 32, "model.num_layers": 2, "model.num_heads": 2, "model.num_kv_heads": 1,
+        "model.mlp_dim": 64, "model.max_seq_len": 128,
+        "data.num_train": 2000, "data.num_validation": 100, "data.seq_len": 64, "data.vocab_size": 512,
+        "train.steps": 60, "train.batch_size": 8, "train.warmup_steps": 10, "train.eval_every": 30,
+        "train.checkpoint_every": 30, "train.log_every": 5, "train.eval_batches": 2,
+        "sample.num_samples": 8, "sample.batch_size": 8, "sample.max_new_tokens": 48,
+    },
+    # The demo on a 2-core CPU.
+    "cpu": {},
+    # GPT-2 small / medium / large shapes, for accelerators and pods.
+    "small": {
+        "model.d_model": 768, "model.num_layers": 12, "model.num_heads": 12, "model.num_kv_heads": 12,
+        "model.mlp_dim": 2048, "model.max_seq_len": 1024, "model.dtype": "bfloat16",
+        "data.seq_len": 1024, "data.vocab_size": 32768, "data.num_train": 1_000_000,
+        "train.steps": 100_000, "train.batch_size": 256, "train.learning_rate": 6e-4,
+        "train.warmup_steps": 2000, "train.eval_every": 2000, "train.checkpoint_every": 2000,
+        "train.log_every": 50, "sample.max_new_tokens": 1024,
+    },
+    "medium": {
+        "model.d_model": 1024, "model.num_layers": 24, "model.num_heads": 16, "model.num_kv_heads": 16,
+        "model.mlp_dim": 2816, "model.max_seq_len": 1024, "model.dtype": "bfloat16",
+        "data.seq_len": 1024, "data.vocab_size": 32768, "data.num_train": 1_000_000,
+        "train.steps": 200_000, "train.batch_size": 256, "train.learning_rate": 3e-4,
+        "train.warmup_steps": 2000, "train.eval_every": 2000, "train.checkpoint_every": 2000,
+        "train.log_every": 50, "sample.max_new_tokens": 1024,
+    },
+    "large": {
+        "model.d_model": 1280, "model.num_layers": 36, "model.num_heads": 20, "model.num_kv_heads": 20,
+        "model.mlp_dim": 3456, "model.max_seq_len": 1024, "model.dtype": "bfloat16",
+        "data.seq_len": 1024, "data.vocab_size": 32768, "data.num_train": 1_000_000,
+        "train.steps": 300_000, "train.batch_size": 512, "train.learning_rate": 2.5e-4,
+        "train.warmup_steps": 2000, "train.eval_every": 2000, "train.checkpoint_every": 2000,
+        "train.log_every": 50, "sample.max_new_tokens": 1024,
+    },
+}
+
+# Short spellings accepted on the command line.
+ALIASES = {"model": "model.family"}
+
+
+def make_config(preset: str = "cpu", overrides: Optional[list[str] | dict[str, Any]] = None,
+                **kwargs: Any) -> Config:
+    """Build a validated `Config` from a preset name and overrides.
+
+    `overrides` is a list of ``"key=value"`` strings (values parsed by the field's type) or a
+    dict of already-typed values; keyword arguments are further overrides with ``__`` for dots
+    (``train__steps=10``).
+    """
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; valid presets: {', '.join(PRESETS)}")
+    values: dict[str, Any] = dict(PRESETS[preset])
+    if isinstance(overrides, dict):
+        values.update(overrides)
+    else:
+        for item in overrides or []:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not of the form key=value")
+            key, raw = item.split("=", 1)
+            values[key.strip()] = raw
+    for key, v in kwargs.items():
+        values[key.replace("__", ".")] = v
+    cfg = Config(preset=preset)
+    for key, v in values.items():
+        cfg = set_value(cfg, key, v)
+    return cfg.validate()
+
+
+def set_value(cfg: Config, key: str, value: Any) -> Config:
+    """Return `cfg` with the dotted `key` set to `value` (a string is parsed by the field type)."""
+    key = ALIASES.get(key, key)
+    parts = key.split(".")
+    return _set(cfg, parts, value, prefix="")
+
+
+def _set(obj: Any, parts: list[str], value: Any, prefix: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    name = parts[0]
+    full = prefix + name
+    if name not in fields:
+        choices = ", ".join(prefix + f for f in fields)
+        raise ConfigError(f"unknown config key {full!r}; valid keys here: {choices}")
+    hints = typing.get_type_hints(type(obj))
+    ftype = hints[name]
+    if len(parts) > 1:
+        sub = getattr(obj, name)
+        if not dataclasses.is_dataclass(sub):
+            raise ConfigError(f"config key {full!r} has no sub-keys")
+        return dataclasses.replace(obj, **{name: _set(sub, parts[1:], value, full + ".")})
+    if dataclasses.is_dataclass(ftype):
+        subs = ", ".join(f"{full}.{f.name}" for f in dataclasses.fields(ftype))
+        raise ConfigError(f"config key {full!r} is a group; set one of: {subs}")
+    return dataclasses.replace(obj, **{name: _coerce(full, ftype, value)})
+
+
+def _coerce(key: str, ftype: Any, value: Any) -> Any:
+    origin = typing.get_origin(ftype)
+    if origin is Literal:
+        choices = typing.get_args(ftype)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, choices))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(ftype) if a is not type(None)]
+        if value in (None, "none", "None"):
+            return None
+        return _coerce(key, args[0], value)
+    if ftype is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key}={value!r} is not a bool; use true or false")
+    if ftype is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} is not an int")
+        if isinstance(value, int):
+            return value
+        try:
+            return int(str(value).replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"{key}={value!r} is not an int") from None
+    if ftype is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        try:
+            return float(str(value))
+        except ValueError:
+            raise ConfigError(f"{key}={value!r} is not a number") from None
+    if ftype is str:
+        return str(value)
+    raise ConfigError(f"{key}: unsupported field type {ftype}")
+
+
+def _from_dict(cls: type, d: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k, v in d.items():
+        if k not in names:
+            raise ConfigError(f"unknown config key {prefix + k!r} in saved config")
+        if dataclasses.is_dataclass(hints[k]):
+            kwargs[k] = _from_dict(hints[k], v, prefix + k + ".")
+        else:
+            kwargs[k] = _coerce(prefix + k, hints[k], v)
+    return cls(**kwargs)

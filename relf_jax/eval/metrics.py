@@ -1,0 +1,79 @@
+"""Sample-quality metrics: generative perplexity under a judge, unigram entropy, distinct-n.
+
+Quality is always reported as a pair (gen PPL, entropy): low-entropy samples game gen PPL.
+Both are computed on the judge's tokenization of the decoded text (words for the exact
+synthetic-grammar judge, the judge model's tokens for a model judge).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Protocol, Sequence
+
+import numpy as np
+
+
+class Judge(Protocol):
+    """Scores decoded texts. `complete[i]` False means text i was cut off (score it as a prefix)."""
+
+    name: str
+
+    def tokenize(self, text: str) -> list[str | int]: ...
+
+    def score(self, texts: Sequence[str], complete: Sequence[bool]) -> tuple[np.ndarray, np.ndarray]:
+        """(log-likelihood [n] in nats, number of scored tokens [n])."""
+        ...
+
+
+def unigram_entropy(tokens: Sequence) -> float:
+    """Entropy (nats) of the empirical unigram distribution of one sample's tokens."""
+    if not tokens:
+        return 0.0
+    counts = np.asarray(list(collections.Counter(tokens).values()), np.float64)
+    p = counts / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def mean_unigram_entropy(samples: Sequence[Sequence]) -> float:
+    """Per-sample unigram entropy averaged over samples (the paper's entropy column)."""
+    return float(np.mean([unigram_entropy(s) for s in samples])) if samples else float("nan")
+
+
+def distinct_n(samples: Sequence[Sequence], n: int) -> float:
+    """Unique n-grams / all n-grams over all samples (0 when there are none)."""
+    grams = [tuple(s[i:i + n]) for s in samples for i in range(len(s) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class QualityReport:
+    gen_ppl: float
+    entropy: float
+    distinct_2: float
+    distinct_3: float
+    mean_tokens: float
+    num_samples: int
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def generative_perplexity(judge: Judge, texts: Sequence[str], complete: Sequence[bool]) -> float:
+    """exp(total negative log-likelihood / total scored tokens) of the samples under `judge`."""
+    logp, n = judge.score(texts, complete)
+    total = float(np.sum(n))
+    if total == 0:
+        return float("nan")
+    nll = -float(np.sum(logp))
+    return math.exp(nll / total) if math.isfinite(nll) else float("inf")
+
+
+def quality(judge: Judge, texts: Sequence[str], complete: Sequence[bool]) -> QualityReport:
+    """Gen PPL, mean unigram entropy and distinct-2/3 of decoded samples under `judge`."""
+    toks = [judge.tokenize(t) for t in texts]
+    return QualityReport(gen_ppl=generative_perplexity(judge, texts, complete),
+                         entropy=mean_unigram_entropy(toks), distinct_2=distinct_n(toks, 2),
+                         distinct_3=distinct_n(toks, 3), mean_tokens=float(np.mean([len(t) for t in toks])),
+                         num_samples=len(texts))

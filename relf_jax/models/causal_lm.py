@@ -1,0 +1,95 @@
+"""Decoder-only causal language model with a fixed-size KV cache.
+
+The network only: token ids in, float32 logits out. It knows nothing of drafts,
+verification or sampling; those live in `relf_jax.sampling` and `relf_jax.speculative`.
+
+Cache convention: slot j of a row's cache holds the keys/values of the token at position j of
+that row. A query at position p sees slots 0..p, so slots past a row's length (left over from
+padding or a rolled-back speculation) are masked, never trusted, and overwritten on reuse.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from relf_jax.config import ModelConfig
+from relf_jax.models.layers import KVCache, RMSNorm, TransformerBlock, causal_mask, make_param
+from relf_jax.sharding import constrain
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class CausalLM(nnx.Module):
+    """Token embedding -> N pre-norm transformer blocks -> RMSNorm -> vocabulary logits."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        if cfg.vocab_size <= 0:
+            raise ValueError("ModelConfig.vocab_size must be set (from the tokenizer) before building a model")
+        self.cfg = cfg
+        dtype, pdtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
+        self.dtype = dtype
+        self.embed = make_param(rngs, jax.nn.initializers.normal(stddev=1.0), (cfg.vocab_size, cfg.d_model),
+                                ("vocab", "embed"), pdtype)
+        self.blocks = nnx.List([
+            TransformerBlock(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim,
+                             rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps, rngs=rngs,
+                             dtype=dtype, param_dtype=pdtype)
+            for _ in range(cfg.num_layers)
+        ])
+        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs, param_dtype=pdtype)
+        if not cfg.tie_embeddings:
+            self.lm_head = make_param(rngs, jax.nn.initializers.normal(stddev=cfg.d_model ** -0.5),
+                                      (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdtype)
+
+    def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None, *,
+                 segment_ids: Optional[jax.Array] = None, cache: Optional[KVCache] = None,
+                 cache_index: Optional[jax.Array] = None):
+        """Logits for every input position.
+
+        tokens, positions, segment_ids: [B, T] int. Without a cache the mask is causal over the
+        sequence index, restricted to equal `segment_ids` (packed documents). With a cache
+        (from `init_cache`), the T tokens are written at slots ``cache_index[b] + arange(T)``
+        and ``positions`` must equal those slots. Returns (logits [B, T, V] float32, cache).
+        """
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
+        x = x * jnp.asarray(self.cfg.d_model ** 0.5, self.dtype)
+        x = constrain(x, ("batch", "length", "embed"))
+        if cache is None:
+            idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            mask = causal_mask(idx, idx, segment_ids, segment_ids)
+        else:
+            s = cache[0][0].shape[1]
+            slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+            mask = causal_mask(positions, slots)
+        new_cache = []
+        for i, block in enumerate(self.blocks):
+            x, c = block(x, positions, mask, cache=None if cache is None else cache[i], cache_index=cache_index)
+            new_cache.append(c)
+        x = self.final_norm(x).astype(jnp.float32)
+        if self.cfg.tie_embeddings:
+            logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(jnp.float32)) * self.cfg.d_model ** -0.5
+        else:
+            logits = x @ self.lm_head[...].astype(jnp.float32)
+        logits = constrain(logits, ("batch", "length", "vocab"))
+        return logits, (None if cache is None else tuple(new_cache))
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        """Zeroed KV cache: per layer (k, v), each [batch, max_len, num_kv_heads, head_dim]."""
+        return init_cache(self.cfg, batch, max_len, dtype)
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    dtype = dtype or DTYPES[cfg.dtype]
+    shape = (batch, max_len, cfg.num_kv_heads, cfg.resolved_head_dim)
+    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
+
+
+def count_params(state) -> int:
+    return sum(x.size for x in jax.tree.leaves(state))

@@ -1,0 +1,188 @@
+"""Shared transformer blocks (Flax NNX): RMSNorm, RoPE, SwiGLU, grouped-query attention.
+
+Every parameter carries logical axis names as ``logical_axes`` metadata (see
+`relf_jax.sharding`). Attention takes an explicit boolean mask, so the same block serves
+causal LMs, bidirectional flow models and block-diffusion models; the mask helpers are here.
+An optional conditioning vector (e.g. a flow time embedding) modulates the norms (adaLN,
+zero-initialised so a fresh conditioned block equals an unconditioned one).
+
+Shapes: B batch, T query length, S key length (cache size), D model width, H query heads,
+K key/value heads, Dh head width, F MLP width.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from relf_jax.sharding import constrain
+
+KVCache = tuple[tuple[jax.Array, jax.Array], ...]  # per layer (k, v): [B, S, K, Dh] each
+
+
+def make_param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str | None, ...],
+               dtype=jnp.float32) -> nnx.Param:
+    """A parameter initialised by `init`, tagged with its logical axis names."""
+    return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=axes)
+
+
+def _dense_init(fan_in: int):
+    return jax.nn.initializers.normal(stddev=fan_in ** -0.5)
+
+
+class RMSNorm(nnx.Module):
+    """y = x / rms(x) * scale, computed in float32."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        self.eps = eps
+        self.scale = make_param(rngs, jax.nn.initializers.ones, (dim,), ("embed",), param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding. x: [B, T, N, Dh], positions: [B, T] (int)."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions[..., None].astype(jnp.float32) * freq  # [B, T, half]
+    sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- masks
+
+def causal_mask(q_idx: jax.Array, k_idx: jax.Array, q_seg: Optional[jax.Array] = None,
+                k_seg: Optional[jax.Array] = None) -> jax.Array:
+    """[B, T, S] bool: key j visible to query i iff k_idx[j] <= q_idx[i] (and same segment)."""
+    m = k_idx[:, None, :] <= q_idx[:, :, None]
+    if q_seg is not None:
+        m &= q_seg[:, :, None] == k_seg[:, None, :]
+    return m
+
+
+def bidirectional_mask(k_valid: jax.Array, num_queries: int) -> jax.Array:
+    """[B, T, S] bool: every valid key visible to every query. k_valid: [B, S]."""
+    return jnp.broadcast_to(k_valid[:, None, :], (k_valid.shape[0], num_queries, k_valid.shape[1]))
+
+
+def block_causal_mask(q_idx: jax.Array, k_idx: jax.Array, block_size: int) -> jax.Array:
+    """[B, T, S] bool: bidirectional inside a block, causal across blocks."""
+    return (k_idx[:, None, :] // block_size) <= (q_idx[:, :, None] // block_size)
+
+
+# ----------------------------------------------------------------------------- blocks
+
+class Attention(nnx.Module):
+    """Grouped-query attention with RoPE and an optional fixed-size KV cache."""
+
+    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 rope_theta: float, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rope_theta, self.dtype = rope_theta, dtype
+        init = _dense_init(d_model)
+        self.wq = make_param(rngs, init, (d_model, num_heads, head_dim), ("embed", "heads", "head_dim"), param_dtype)
+        self.wk = make_param(rngs, init, (d_model, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.wv = make_param(rngs, init, (d_model, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.wo = make_param(rngs, _dense_init(num_heads * head_dim), (num_heads, head_dim, d_model),
+                             ("heads", "head_dim", "embed"), param_dtype)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array,
+                 cache: Optional[tuple[jax.Array, jax.Array]] = None,
+                 cache_index: Optional[jax.Array] = None):
+        """x: [B, T, D]; positions: [B, T]; mask: [B, T, S] (S = T without cache).
+
+        With a cache ([B, S, K, Dh] each), the new keys/values are written at slots
+        ``cache_index[b] + arange(T)`` of each row before attending; returns (y, new_cache).
+        """
+        dt = self.dtype
+        x = x.astype(dt)
+        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
+        k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
+        v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
+        q = apply_rope(q, positions, self.rope_theta)
+        k = apply_rope(k, positions, self.rope_theta)
+        if cache is not None:
+            write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u.astype(c.dtype), (i, 0, 0)))
+            k_all = write(cache[0], k, cache_index)
+            v_all = write(cache[1], v, cache_index)
+            cache = (k_all, v_all)
+        else:
+            k_all, v_all = k, v
+        b, t, h, dh = q.shape
+        g = h // self.num_kv_heads
+        qg = q.reshape(b, t, self.num_kv_heads, g, dh)
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg.astype(jnp.float32), k_all.astype(jnp.float32))
+        scores = scores * (dh ** -0.5)
+        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v_all.astype(jnp.float32)).astype(dt)
+        out = out.reshape(b, t, h, dh)
+        y = jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dt))
+        return y, cache
+
+
+class SwiGLU(nnx.Module):
+    """down(silu(x W_gate) * (x W_up))."""
+
+    def __init__(self, d_model: int, mlp_dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 param_dtype=jnp.float32):
+        self.dtype = dtype
+        self.w_gate = make_param(rngs, _dense_init(d_model), (d_model, mlp_dim), ("embed", "mlp"), param_dtype)
+        self.w_up = make_param(rngs, _dense_init(d_model), (d_model, mlp_dim), ("embed", "mlp"), param_dtype)
+        self.w_down = make_param(rngs, _dense_init(mlp_dim), (mlp_dim, d_model), ("mlp", "embed"), param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = self.dtype
+        x = x.astype(dt)
+        h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))
+        h = constrain(h, ("batch", "length", "mlp"))
+        return h @ self.w_down[...].astype(dt)
+
+
+class TransformerBlock(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)); x + mlp(norm(x)).
+
+    With ``cond_dim > 0`` the block takes a conditioning vector c [B, cond_dim] and modulates
+    both norms, ``norm(x) * (1 + scale(c)) + shift(c)``, and scales both residual branches by
+    ``1 + gate(c)`` (adaLN). The modulation starts at zero, so a fresh conditioned block computes
+    exactly what an unconditioned one does.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, mlp_dim: int, *,
+                 rope_theta: float = 10000.0, norm_eps: float = 1e-6, cond_dim: int = 0,
+                 rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        self.attn_norm = RMSNorm(d_model, eps=norm_eps, rngs=rngs, param_dtype=param_dtype)
+        self.attn = Attention(d_model, num_heads, num_kv_heads, head_dim, rope_theta=rope_theta,
+                              rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.mlp_norm = RMSNorm(d_model, eps=norm_eps, rngs=rngs, param_dtype=param_dtype)
+        self.mlp = SwiGLU(d_model, mlp_dim, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.cond_dim = cond_dim
+        if cond_dim:
+            self.modulation = make_param(rngs, jax.nn.initializers.zeros, (cond_dim, 6, d_model),
+                                         (None, None, "embed"), param_dtype)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array, *,
+                 cond: Optional[jax.Array] = None, cache=None, cache_index=None):
+        if self.cond_dim:
+            if cond is None:
+                raise ValueError("this block was built with cond_dim > 0 and needs `cond`")
+            mod = jnp.einsum("bc,cmd->bmd", cond.astype(jnp.float32), self.modulation[...].astype(jnp.float32))
+            shift1, scale1, gate1, shift2, scale2, gate2 = [mod[:, i, None, :] for i in range(6)]
+            h = self.attn_norm(x) * (1 + scale1) + shift1
+            a, cache = self.attn(h, positions, mask, cache, cache_index)
+            x = x + ((1 + gate1) * a).astype(x.dtype)
+            h = self.mlp_norm(x) * (1 + scale2) + shift2
+            x = x + ((1 + gate2) * self.mlp(h)).astype(x.dtype)
+        else:
+            a, cache = self.attn(self.attn_norm(x), positions, mask, cache, cache_index)
+            x = x + a.astype(x.dtype)
+            x = x + self.mlp(self.mlp_norm(x)).astype(x.dtype)
+        return constrain(x, ("batch", "length", "embed")), cache

@@ -1,0 +1,292 @@
+"""The one generic, sharded train loop.
+
+Every model family trains here with its own ``loss_fn(model, batch, key) -> (loss, metrics)``:
+AR now; ReLF, reflow, drafts, RCSD, block diffusion and the DWS predictor later.
+
+What it does, in order:
+- builds the mesh and the parameter / optimizer-state shardings from abstract shapes
+  (``nnx.eval_shape`` -> logical axes -> ``NamedSharding``) and creates the state already
+  sharded (``jax.jit(init, out_shardings=...)``), or restores it from the newest good
+  checkpoint into those same shardings;
+- runs a ``jax.jit`` train step with in/out shardings and donated state under ``jax.set_mesh``,
+  with gradient accumulation as a ``lax.scan`` over micro-batches;
+- checks every step's loss and gradient norm (one step behind, so the host does not stall the
+  device): a non-finite value stops training with `TrainingDiverged`, and no checkpoint is
+  ever written after it;
+- logs to JSONL + TensorBoard, shows a progress bar with loss and tokens/s, evaluates, saves
+  async keep-N checkpoints (also on Ctrl-C), and plots the loss curve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from relf_jax import sharding as shd
+from relf_jax.checkpoint import Checkpointer, abstract_like
+from relf_jax.config import Config, ModelConfig
+from relf_jax.errors import UserError
+from relf_jax.models import build_model
+from relf_jax.train.metrics import MetricsWriter, plot_loss_curve
+from relf_jax.train.optimizers import learning_rate_schedule, make_optimizer
+
+LossFn = Callable[[nnx.Module, dict, jax.Array], tuple[jax.Array, dict]]
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient became non-finite; the last good checkpoint is kept."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    graphdef: Any
+    params: Any
+    step: int
+    loss: float
+    eval_loss: Optional[float]
+    tokens_per_s: float
+    resumed_from: Optional[int]
+    workdir: str
+
+
+@dataclasses.dataclass
+class ShardedState:
+    """Shapes and shardings of a model's parameters and optimizer state on a mesh."""
+
+    mesh: Any
+    graphdef: Any
+    tx: optax.GradientTransformation
+    param_shardings: Any
+    opt_shardings: Any
+    abstract_params: Any
+    abstract_opt: Any
+
+    def restore_target(self) -> dict:
+        return {"params": abstract_like(self.abstract_params, self.param_shardings),
+                "opt_state": abstract_like(self.abstract_opt, self.opt_shardings)}
+
+
+def plan_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh) -> ShardedState:
+    """Abstract parameter/optimizer shapes and their shardings, without allocating anything."""
+    with jax.set_mesh(mesh):
+        abstract_model = nnx.eval_shape(lambda: build_model(model_cfg, nnx.Rngs(0)))
+        graphdef, abstract_params = nnx.split(abstract_model)
+        abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    return ShardedState(mesh=mesh, graphdef=graphdef, tx=tx,
+                        param_shardings=shd.state_shardings(abstract_params, mesh),
+                        opt_shardings=shd.state_shardings(abstract_opt, mesh),
+                        abstract_params=abstract_params, abstract_opt=abstract_opt)
+
+
+def init_state(plan: ShardedState, model_cfg: ModelConfig, key: jax.Array):
+    """Parameters and optimizer state created directly in their shardings."""
+
+    def init(k):
+        _, params = nnx.split(build_model(model_cfg, nnx.Rngs(k)))
+        return params, plan.tx.init(params)
+
+    with jax.set_mesh(plan.mesh):
+        return jax.jit(init, out_shardings=(plan.param_shardings, plan.opt_shardings))(key)
+
+
+def make_train_step(plan: ShardedState, loss_fn: LossFn, grad_accum: int, batch_shardings: Any):
+    """The jitted step: (params, opt_state, batch, key) -> (params, opt_state, metrics)."""
+    graphdef, tx = plan.graphdef, plan.tx
+
+    def step(params, opt_state, batch, key):
+        def micro_loss(p, mb, k):
+            return loss_fn(nnx.merge(graphdef, p), mb, k)
+
+        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+        if grad_accum == 1:
+            (loss, aux), grads = grad_fn(params, batch, key)
+        else:
+            micro = jax.tree.map(lambda x: x.reshape((grad_accum, x.shape[0] // grad_accum) + x.shape[1:]), batch)
+
+            def body(carry, inp):
+                gsum, lsum, asum = carry
+                mb, i = inp
+                (l, a), g = grad_fn(params, mb, jax.random.fold_in(key, i))
+                return (jax.tree.map(jnp.add, gsum, g), lsum + l, jax.tree.map(jnp.add, asum, a)), None
+
+            zero_g = jax.tree.map(jnp.zeros_like, params)
+            aux0 = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(lambda x: x[0], micro), key)[0][1])
+            zero_a = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux0)
+            (gsum, lsum, aux), _ = jax.lax.scan(body, (zero_g, 0.0, zero_a), (micro, jnp.arange(grad_accum)))
+            grads = jax.tree.map(lambda g: g / grad_accum, gsum)
+            loss = lsum / grad_accum
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = {"loss": loss, "grad_norm": grad_norm, **{k: jnp.asarray(v, jnp.float32) for k, v in aux.items()}}
+        return params, opt_state, metrics
+
+    return jax.jit(step,
+                   in_shardings=(plan.param_shardings, plan.opt_shardings, batch_shardings, None),
+                   out_shardings=(plan.param_shardings, plan.opt_shardings, None),
+                   donate_argnums=(0, 1))
+
+
+def make_eval_step(plan: ShardedState, loss_fn: LossFn):
+    graphdef = plan.graphdef
+
+    def evaluate(params, batch):
+        loss, aux = loss_fn(nnx.merge(graphdef, params), batch, jax.random.key(0))
+        return loss
+
+    return jax.jit(evaluate)
+
+
+def put_batch(batch: dict, mesh) -> dict:
+    """Host-local numpy batch -> global arrays sharded over (data, fsdp) on the batch axis."""
+    out = {}
+    for k, v in batch.items():
+        v = np.asarray(v)
+        out[k] = jax.make_array_from_process_local_data(shd.batch_sharding(mesh, v.ndim), v)
+    return out
+
+
+def train(cfg: Config, model_cfg: ModelConfig, loss_fn: LossFn, data: Iterator[dict], *,
+          eval_data: Iterable[dict] = (), workdir: Optional[str] = None, mesh=None,
+          tokenizer_bytes: Optional[bytes] = None, extra_meta: Optional[dict] = None,
+          tensorboard: bool = True) -> TrainResult:
+    """Train `model_cfg` on `data` for ``cfg.train.steps`` steps, resuming from `workdir`.
+
+    data: an iterator of numpy batches (grain iterators' ``get_state``/``set_state`` are used
+    for checkpointing when present); eval_data: a few fixed batches for the eval loss.
+    """
+    tc = cfg.train
+    workdir = os.path.abspath(workdir or cfg.workdir)
+    os.makedirs(workdir, exist_ok=True)
+    mesh = mesh or shd.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = tc.batch_size // tc.grad_accum
+    if micro % shards and jax.process_count() == 1:
+        raise UserError(f"train.batch_size / train.grad_accum = {micro} must be divisible by the "
+                        f"{shards} data x fsdp shards of the mesh")
+    plan = plan_state(model_cfg, make_optimizer(tc), mesh)
+    ckpt = Checkpointer(workdir, keep=tc.keep_checkpoints, async_save=tc.async_checkpoint)
+    meta = {"family": model_cfg.family, "config": cfg.to_dict(), "model": dataclasses.asdict(model_cfg),
+            **(extra_meta or {})}
+
+    restored = ckpt.restore_latest(plan.restore_target(), family=model_cfg.family)
+    if restored is not None:
+        step, state, data_state, _ = restored
+        params, opt_state = state["params"], state["opt_state"]
+        if data_state is not None and hasattr(data, "set_state"):
+            data.set_state(data_state)
+        resumed_from = step
+    else:
+        step, resumed_from = 0, None
+        params, opt_state = init_state(plan, model_cfg, jax.random.key(tc.seed))
+
+    writer = MetricsWriter(workdir, tensorboard=tensorboard)
+    eval_batches = [put_batch(b, mesh) for b in eval_data]
+    schedule = learning_rate_schedule(tc)
+    rng = jax.random.key(tc.seed + 1)
+    last_loss, eval_loss, tok_per_s = float("nan"), None, 0.0
+
+    with jax.set_mesh(mesh):
+        batch_sh = None
+        train_step = None
+        eval_step = make_eval_step(plan, loss_fn)
+        pbar = _progress(tc.progress, total=tc.steps, initial=step)
+        pending: Optional[tuple[int, dict]] = None
+        window_tokens, window_start = 0.0, time.perf_counter()
+
+        def check(s: int, m: dict) -> dict:
+            host = {k: float(v) for k, v in jax.device_get(m).items()}
+            if not (math.isfinite(host["loss"]) and math.isfinite(host["grad_norm"])):
+                good = [x for x in ckpt.steps() if x < s]
+                raise TrainingDiverged(
+                    f"non-finite loss ({host['loss']}) or gradient norm ({host['grad_norm']}) at step {s}; "
+                    f"stopped. The last good checkpoint is "
+                    f"{'step ' + str(good[-1]) if good else 'none'} in {ckpt.directory}")
+            return host
+
+        def save(s: int, force: bool = False) -> None:
+            data_state = data.get_state() if hasattr(data, "get_state") else None
+            ckpt.save(s, {"params": params, "opt_state": opt_state}, data_state=data_state, meta=meta,
+                      tokenizer_bytes=tokenizer_bytes, force=force)
+
+        try:
+            while step < tc.steps:
+                try:
+                    np_batch = next(data)
+                except StopIteration:
+                    raise UserError(f"the training data ran out at step {step} of {tc.steps}; "
+                                    "use more data or fewer train.steps") from None
+                batch = put_batch(np_batch, mesh)
+                if train_step is None:
+                    batch_sh = jax.tree.map(lambda x: x.sharding, batch)
+                    train_step = make_train_step(plan, loss_fn, tc.grad_accum, batch_sh)
+                params, opt_state, metrics = train_step(params, opt_state, batch, jax.random.fold_in(rng, step))
+                step += 1
+                if pending is not None:
+                    host = check(*pending)
+                    window_tokens += host.get("tokens", float(np.prod(np_batch["tokens"].shape)))
+                    last_loss = host["loss"]
+                    if pending[0] % tc.log_every == 0:
+                        now = time.perf_counter()
+                        tok_per_s = window_tokens / max(now - window_start, 1e-9)
+                        window_tokens, window_start = 0.0, now
+                        writer.write(pending[0], {"loss": host["loss"], "grad_norm": host["grad_norm"],
+                                                  "learning_rate": float(schedule(pending[0] - 1)),
+                                                  "tokens_per_s": tok_per_s})
+                        pbar.set_postfix(loss=f"{host['loss']:.3f}", tok_s=f"{tok_per_s:,.0f}")
+                pending = (step, metrics)
+                pbar.update(1)
+                if step % tc.eval_every == 0 or step == tc.steps:
+                    if eval_batches:
+                        eval_loss = float(np.mean([float(eval_step(params, b)) for b in eval_batches]))
+                        writer.write(step, {"eval_loss": eval_loss})
+                if step % tc.checkpoint_every == 0 or step == tc.steps:
+                    last_loss = check(*pending)["loss"]
+                    save(step, force=step == tc.steps)
+        except KeyboardInterrupt:
+            if pending is not None and step not in ckpt.steps():
+                check(*pending)
+                save(step, force=True)
+            ckpt.close()
+            raise
+        finally:
+            pbar.close()
+            writer.close()
+        if pending is not None:
+            last_loss = check(*pending)["loss"]
+        ckpt.close()
+    plot_loss_curve(writer.path, os.path.join(workdir, "loss_curve.png"))
+    return TrainResult(graphdef=plan.graphdef, params=params, step=step, loss=last_loss,
+                       eval_loss=eval_loss, tokens_per_s=tok_per_s, resumed_from=resumed_from,
+                       workdir=workdir)
+
+
+def load_params(workdir: str, model_cfg: ModelConfig, train_cfg, mesh=None):
+    """Restore (graphdef, params, meta) from the newest good checkpoint in `workdir`.
+
+    Raises `UserError` if there is none or it holds another model family.
+    """
+    mesh = mesh or shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    plan = plan_state(model_cfg, make_optimizer(train_cfg), mesh)
+    restored = Checkpointer(workdir, keep=1_000_000, async_save=False).restore_latest(
+        plan.restore_target(), family=model_cfg.family)
+    if restored is None:
+        raise UserError(f"no checkpoint found in {os.path.join(os.path.abspath(workdir), 'checkpoints')}")
+    step, state, _, meta = restored
+    return plan.graphdef, state["params"], meta
+
+
+def _progress(enabled: bool, total: int, initial: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled or jax.process_index() != 0,
+                desc="train", unit="step", dynamic_ncols=True)

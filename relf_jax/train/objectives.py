@@ -1,0 +1,39 @@
+"""Loss functions for the generic train loop: ``loss_fn(model, batch, key) -> (loss, metrics)``.
+
+Batches come from `relf_jax.data.pipeline`: ``tokens`` and ``segment_ids``, int32
+[B, L + 1], rows packed from several documents.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """Position of each token inside its document: [B, T] -> [B, T], restarting at 0."""
+    t = segment_ids.shape[1]
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids.shape)
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    first = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+    return idx - first
+
+
+def next_token_loss(model, batch: dict, key: jax.Array, pad_id: int = 0):
+    """Mean next-token cross-entropy (nats) over targets inside the same document.
+
+    Attention is restricted to the document (segment) and positions restart per document,
+    so training matches sampling from a BOS-started context.
+    """
+    del key
+    tokens, seg = batch["tokens"], batch["segment_ids"]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    in_seg, tgt_seg = seg[:, :-1], seg[:, 1:]
+    logits, _ = model(inputs, segment_positions(in_seg), segment_ids=in_seg)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    mask = ((in_seg == tgt_seg) & (targets != pad_id)).astype(jnp.float32)
+    n = jnp.maximum(mask.sum(), 1.0)
+    loss = (nll * mask).sum() / n
+    return loss, {"tokens": mask.sum()}
