@@ -1,0 +1,107 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from relf_jax.errors import UserError
+from relf_jax.sampling import autoregressive as ar
+from relf_jax.sampling import processors
+
+
+def test_log_probs_filters():
+    logits = jnp.log(jnp.asarray([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    p = np.exp(np.asarray(processors.log_probs(logits, 1.0, 0, 1.0)))
+    np.testing.assert_allclose(p, [[0.5, 0.2, 0.15, 0.1, 0.05]], atol=1e-6)
+    # top-k 2 keeps the two largest, renormalised
+    p = np.exp(np.asarray(processors.log_probs(logits, 1.0, 2, 1.0)))
+    np.testing.assert_allclose(p, [[0.5 / 0.7, 0.2 / 0.7, 0, 0, 0]], atol=1e-6)
+    # top-p 0.75: mass strictly above 0.15 is 0.7 < 0.75 -> keep 3 tokens; above 0.1 is 0.85 -> drop
+    p = np.exp(np.asarray(processors.log_probs(logits, 1.0, 0, 0.75)))
+    np.testing.assert_allclose(p, [[0.5 / 0.85, 0.2 / 0.85, 0.15 / 0.85, 0, 0]], atol=1e-6)
+    # temperature 0 is greedy
+    p = np.exp(np.asarray(processors.log_probs(logits, 0.0, 0, 1.0)))
+    np.testing.assert_array_equal(p, [[1, 0, 0, 0, 0]])
+    # temperature scales logits
+    p = np.exp(np.asarray(processors.log_probs(logits, 2.0, 0, 1.0)))
+    q = np.sqrt([0.5, 0.2, 0.15, 0.1, 0.05])
+    np.testing.assert_allclose(p[0], q / q.sum(), atol=1e-6)
+
+
+def test_nucleus_mask_ties_and_extremes():
+    probs = jnp.asarray([0.4, 0.2, 0.2, 0.2])
+    np.testing.assert_array_equal(processors.nucleus_mask(probs, 0.5), [True, True, True, True])
+    np.testing.assert_array_equal(processors.nucleus_mask(probs, 0.3), [True, False, False, False])
+    np.testing.assert_array_equal(processors.nucleus_mask(probs, 1e-9), [True, False, False, False])
+
+
+def test_sample_matches_distribution_histogram():
+    """200k draws: empirical frequencies match the transformed distribution (5 sigma)."""
+    logits = jnp.asarray([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    n = 200_000
+    for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 3, 1.0)]:
+        target = np.exp(np.asarray(processors.log_probs(logits, temperature, top_k, top_p)))
+        keys = jax.random.split(jax.random.key(7), n)
+        draws = np.asarray(jax.jit(jax.vmap(lambda k: processors.sample(logits, k, temperature, top_k, top_p)))(keys))
+        freq = np.bincount(draws, minlength=6) / n
+        sigma = np.sqrt(target * (1 - target) / n) + 1e-12
+        assert np.all(np.abs(freq - target) <= 5 * sigma + 1e-9), (temperature, top_k, top_p, freq, target)
+
+
+def test_generate_compiles_once_and_stream_matches(tiny_model):
+    graphdef, params = tiny_model
+    settings = ar.DecodeSettings(max_new_tokens=10, eos_id=1)
+    before = ar._generate._cache_size()
+    prompts, lens = ar.pad_prompts([[2, 5, 6], [2, 7, 8, 9, 10]])
+    s1 = ar.generate(graphdef, params, prompts, lens, jax.random.key(0), ar.SamplingParams.make(1.0), settings)
+    # other prompts in the same bucket, other sampling knobs: no recompilation
+    prompts2, lens2 = ar.pad_prompts([[2, 9], [2, 3, 4, 5, 6, 7, 8]])
+    ar.generate(graphdef, params, prompts2, lens2, jax.random.key(1), ar.SamplingParams.make(0.5, 5, 0.9), settings)
+    assert ar._generate._cache_size() - before == 1
+    streamed = [tok for tok, _ in ar.stream(graphdef, params, prompts, lens, jax.random.key(0),
+                                            ar.SamplingParams.make(1.0), settings)]
+    out = np.stack(streamed, 1)
+    reps = ar.replies(s1, lens)
+    for r in range(2):
+        np.testing.assert_array_equal(out[r, :len(reps[r])], reps[r])
+    assert all(len(r) == 10 for r in reps)
+
+
+def test_greedy_generation_equals_argmax_recompute(tiny_model):
+    graphdef, params = tiny_model
+    from flax import nnx
+    model = jax.jit(lambda t: nnx.merge(graphdef, params)(t)[0])
+    settings = ar.DecodeSettings(max_new_tokens=6, eos_id=-1)
+    prompts, lens = ar.pad_prompts([[2, 11], [2, 12, 13, 14]])
+    state = ar.generate(graphdef, params, prompts, lens, jax.random.key(0), ar.SamplingParams.make(0.0), settings)
+    for r, reply in enumerate(ar.replies(state, lens)):
+        seq = list(np.asarray(prompts[r, :int(lens[r])]))
+        for tok in reply:
+            padded = np.zeros((1, 16), np.int32)  # one shape: one compilation
+            padded[0, :len(seq)] = seq
+            logits = model(jnp.asarray(padded))
+            assert int(jnp.argmax(logits[0, len(seq) - 1])) == tok
+            seq.append(tok)
+
+
+def test_eos_stops_row(tiny_model):
+    graphdef, params = tiny_model
+    # make token 1 (EOS) the greedy choice after a forced prompt by picking eos = the greedy token
+    settings0 = ar.DecodeSettings(max_new_tokens=3, eos_id=-1)
+    prompts, lens = ar.pad_prompts([[2, 11]])
+    first = ar.replies(ar.generate(graphdef, params, prompts, lens, jax.random.key(0),
+                                   ar.SamplingParams.make(0.0), settings0), lens)[0][0]
+    settings = ar.DecodeSettings(max_new_tokens=8, eos_id=first)
+    state = ar.generate(graphdef, params, prompts, lens, jax.random.key(0), ar.SamplingParams.make(0.0), settings)
+    assert ar.replies(state, lens)[0] == [first]
+    assert bool(state.done[0])
+
+
+def test_bad_sampling_inputs():
+    with pytest.raises(UserError, match="temperature"):
+        ar.SamplingParams.make(-1.0)
+    with pytest.raises(UserError, match="top_p"):
+        ar.SamplingParams.make(1.0, 0, 0.0)
+    with pytest.raises(UserError, match="top_k"):
+        ar.SamplingParams.make(1.0, -2, 1.0)
+    with pytest.raises(UserError, match="exceeds the model context"):
+        ar.check_context(100, 50, 128)
