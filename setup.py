@@ -16,6 +16,7 @@ CORE = [
     "matplotlib>=3.8",
     "tensorboardX>=2.6",
     "chatterbot-corpus>=1.2",
+    "PyYAML>=6",
 ]
 
 EXTRAS = {

@@ -124,7 +124,7 @@ def make_train_step(plan: ShardedState, loss_fn: LossFn, grad_accum: int, batch_
             (gsum, lsum, aux), _ = jax.lax.scan(body, (zero_g, 0.0, zero_a), (micro, jnp.arange(grad_accum)))
             grads = jax.tree.map(lambda g: g / grad_accum, gsum)
             loss = lsum / grad_accum
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         metrics = {"loss": loss, "grad_norm": grad_norm, **{k: jnp.asarray(v, jnp.float32) for k, v in aux.items()}}
@@ -252,18 +252,18 @@ def train(cfg: Config, model_cfg: ModelConfig, loss_fn: LossFn, data: Iterator[d
                 if step % tc.checkpoint_every == 0 or step == tc.steps:
                     last_loss = check(*pending)["loss"]
                     save(step, force=step == tc.steps)
+            if pending is not None:
+                last_loss = check(*pending)["loss"]
         except KeyboardInterrupt:
+            # nothing lost on Ctrl-C: checkpoint the last finished (and finite) step
             if pending is not None and step not in ckpt.steps():
                 check(*pending)
                 save(step, force=True)
-            ckpt.close()
             raise
         finally:
             pbar.close()
             writer.close()
-        if pending is not None:
-            last_loss = check(*pending)["loss"]
-        ckpt.close()
+            ckpt.close()  # waits for async saves still in flight
     plot_loss_curve(writer.path, os.path.join(workdir, "loss_curve.png"))
     return TrainResult(graphdef=plan.graphdef, params=params, step=step, loss=last_loss,
                        eval_loss=eval_loss, tokens_per_s=tok_per_s, resumed_from=resumed_from,

@@ -1,0 +1,217 @@
+"""The grain input pipeline: documents -> shuffled -> tokenized -> packed rows -> batches.
+
+``make_iterator`` builds, per host::
+
+    MapDataset.source(builder.as_data_source(split))
+      [process_index::process_count]        host shard (documents)
+      .shuffle(seed).repeat(num_epochs)     reshuffled every epoch
+      .map(bos + encode(text) + eos)
+      .to_iter_dataset()
+      -> PackedRows(seq_len + 1)            concatenate documents, cut fixed rows
+      .batch(batch_size, drop_remainder=True)
+
+Each batch is ``{"tokens", "segment_ids", "positions"}``, all int32
+``[batch_size, seq_len + 1]``: inputs are ``tokens[:, :-1]``, targets ``tokens[:, 1:]``.
+``segment_ids`` numbers the document pieces of a row from 1 (0 is padding, which only
+the last row of a finite pass has); ``positions`` counts from 0 within each piece. A
+loss mask is ``segment_ids[:, 1:] != 0``; restricting attention to equal segment ids
+keeps documents apart.
+
+The iterator is a grain ``DatasetIterator``: ``get_state()`` is a small JSON-safe dict
+and ``set_state`` on a freshly built iterator resumes exactly. Packing is our own
+``PackedRows`` rather than ``grain.experimental.ConcatThenSplitIterDataset`` because in
+grain 0.2.18 the latter's state does not survive a JSON round trip (its
+``(-1, -1)`` sentinel comes back as a list and restores the wrong position), and grain's
+checkpoint handler stores states as JSON.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grain
+import numpy as np
+
+from relf_jax.data.sources import DataError
+
+
+def validate_nonempty(builder, split: str):
+    """The data source of ``split`` (a TFDS split string such as ``"train[:10%]"`` works).
+
+    Raises ``DataError`` if the split does not exist or is empty.
+    """
+    try:
+        source = builder.as_data_source(split)
+    except (ValueError, KeyError) as e:
+        splits = sorted(builder.info.splits.keys())
+        raise DataError(f"{builder.name} has no split {split!r}; it has {splits}.") from e
+    if len(source) == 0:
+        raise DataError(f"split {split!r} of {builder.name} is empty.")
+    return source
+
+
+def _host_documents(builder, split: str, process_index, process_count) -> grain.MapDataset:
+    """This host's documents: every ``process_count``-th one starting at ``process_index``."""
+    if process_index is None or process_count is None:
+        import jax
+
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} not in [0, {process_count}).")
+    ds = grain.MapDataset.source(validate_nonempty(builder, split))
+    ds = ds[process_index::process_count]
+    if len(ds) == 0:
+        raise DataError(
+            f"split {split!r} of {builder.name} has fewer documents than the "
+            f"{process_count} hosts; host {process_index} gets none."
+        )
+    return ds
+
+
+class _Tokenize(grain.transforms.Map):
+    """``{"text"}`` -> ``{"tokens": int32 [bos, *ids, eos]}``; picklable for grain workers."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def map(self, element: dict[str, Any]) -> np.ndarray:
+        text = element["text"]
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")
+        tok = self._tokenizer
+        return np.asarray([tok.bos_id, *tok.encode(text), tok.eos_id], dtype=np.int32)
+
+
+class _PackedRowsIterator(grain.DatasetIterator):
+    """Cuts the concatenation of the parent's 1-D token arrays into rows of ``row_len``.
+
+    State: the parent's state just before the document that the next row starts in,
+    and how many of that document's tokens are already emitted.
+    """
+
+    def __init__(self, parent: grain.DatasetIterator, row_len: int):
+        super().__init__(parent)
+        self._row_len = row_len
+        self._doc: np.ndarray | None = None
+        self._doc_state = parent.get_state()
+        self._offset = 0
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        n = self._row_len
+        tokens = np.zeros(n, np.int32)
+        segment_ids = np.zeros(n, np.int32)
+        positions = np.zeros(n, np.int32)
+        filled = segment = 0
+        while filled < n:
+            if self._doc is None or self._offset >= len(self._doc):
+                state = self._parent.get_state()
+                try:
+                    doc = next(self._parent)
+                except StopIteration:
+                    break
+                self._doc, self._doc_state, self._offset = doc, state, 0
+                continue
+            take = min(n - filled, len(self._doc) - self._offset)
+            segment += 1
+            end = filled + take
+            tokens[filled:end] = self._doc[self._offset : self._offset + take]
+            segment_ids[filled:end] = segment
+            positions[filled:end] = np.arange(take, dtype=np.int32)
+            filled, self._offset = end, self._offset + take
+        if filled == 0:
+            raise StopIteration
+        return {"tokens": tokens, "segment_ids": segment_ids, "positions": positions}
+
+    def get_state(self) -> dict[str, Any]:
+        return {"parent": self._doc_state, "offset": self._offset}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parent.set_state(state["parent"])
+        self._doc_state = state["parent"]
+        self._offset = int(state["offset"])
+        self._doc = next(self._parent) if self._offset > 0 else None
+
+
+class PackedRows(grain.IterDataset):
+    """Concatenate-then-split packing of 1-D int32 token arrays into rows of ``row_len``.
+
+    No token is dropped or repeated; only the final row of a finite parent is padded
+    (with zeros, segment id 0).
+    """
+
+    def __init__(self, parent: grain.IterDataset, row_len: int):
+        super().__init__(parent)
+        if row_len < 1:
+            raise ValueError(f"row_len must be positive, got {row_len}.")
+        self._row_len = row_len
+
+    def __iter__(self) -> _PackedRowsIterator:
+        return _PackedRowsIterator(self._parent.__iter__(), self._row_len)
+
+    def __str__(self) -> str:
+        return f"PackedRows(row_len={self._row_len})"
+
+
+def _packed_rows(docs: grain.MapDataset, tokenizer, seq_len: int) -> grain.IterDataset:
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be positive, got {seq_len}.")
+    return PackedRows(docs.map(_Tokenize(tokenizer)).to_iter_dataset(), seq_len + 1)
+
+
+def make_iterator(
+    builder,
+    split: str,
+    tokenizer,
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    shuffle: bool = True,
+    num_epochs: int | None = None,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> grain.DatasetIterator:
+    """This host's batches of packed rows, int32 ``[batch_size, seq_len + 1]`` each.
+
+    Deterministic given ``seed``; ``num_epochs=None`` repeats forever (reshuffling every
+    epoch). ``process_index`` / ``process_count`` default to JAX's; each host reads the
+    documents ``process_index::process_count`` and ``batch_size`` is per host.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}.")
+    docs = _host_documents(builder, split, process_index, process_count)
+    if shuffle:
+        docs = docs.shuffle(seed)
+    docs = docs.repeat(num_epochs)
+    rows = _packed_rows(docs, tokenizer, seq_len)
+    return iter(rows.batch(batch_size, drop_remainder=True))
+
+
+def eval_batches(
+    builder,
+    split: str,
+    tokenizer,
+    *,
+    seq_len: int,
+    batch_size: int,
+    max_batches: int,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> list[dict[str, np.ndarray]]:
+    """Up to ``max_batches`` batches from one pass over ``split`` in stored order.
+
+    Deterministic. Every batch has the full shape ``[batch_size, seq_len + 1]``: the last
+    one is padded with all-zero rows (segment id 0, so masked out by
+    ``segment_ids != 0``).
+    """
+    docs = _host_documents(builder, split, process_index, process_count)
+    batches = []
+    for batch in _packed_rows(docs, tokenizer, seq_len).batch(batch_size):
+        missing = batch_size - len(batch["tokens"])
+        if missing:
+            batch = {k: np.pad(v, ((0, missing), (0, 0))) for k, v in batch.items()}
+        batches.append(batch)
+        if len(batches) >= max_batches:
+            break
+    return batches

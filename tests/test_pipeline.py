@@ -1,0 +1,303 @@
+import json
+import os
+import types
+
+import grain
+import numpy as np
+import pytest
+
+from relf_jax.data import pipeline, sources
+from relf_jax.data.builders.text_files.text_files import text_files_config
+from relf_jax.data.sources import DataError
+from relf_jax.data.tokenizer import train_tokenizer
+
+WORDS = "alpha beta gamma delta echo fox golf hotel india juliet kilo lima mike".split()
+SEQ_LEN = 15
+NUM_DOCS = 80
+
+
+def _doc(i, rng):
+    return f"doc{i} " + " ".join(rng.choice(WORDS, size=rng.integers(1, 25)))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
+
+
+@pytest.fixture(scope="module")
+def builder(tmp_path_factory, data_dir):
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("corpus") / "docs.txt"
+    path.write_text("\n".join(_doc(i, rng) for i in range(NUM_DOCS)) + "\n")
+    return sources.prepare("text_files", data_dir, path=str(path))
+
+
+@pytest.fixture(scope="module")
+def tok(builder):
+    return train_tokenizer(sources.iter_texts(builder, "train"), 200)
+
+
+def _docs(builder, tok, split):
+    """bos + ids + eos of every document of ``split``, in stored order."""
+    return [[tok.bos_id, *tok.encode(t), tok.eos_id] for t in sources.iter_texts(builder, split)]
+
+
+def _stream(batches):
+    """Concatenated tokens of all rows, trailing padding removed."""
+    rows = np.concatenate([b["tokens"] for b in batches]).reshape(-1)
+    segments = np.concatenate([b["segment_ids"] for b in batches]).reshape(-1)
+    return rows[segments != 0].tolist()
+
+
+def _split_at_bos(stream, bos):
+    docs = []
+    for t in stream:
+        if t == bos:
+            docs.append([])
+        docs[-1].append(t)
+    return docs
+
+
+def _iterator(builder, tok, **kw):
+    kw = {"seq_len": SEQ_LEN, "batch_size": 1, "seed": 3, **kw}
+    return pipeline.make_iterator(builder, "train", tok, **kw)
+
+
+# --- builders and sources -----------------------------------------------------------------
+
+
+def test_text_files_txt_paragraphs_and_jsonl(tmp_path, data_dir):
+    (tmp_path / "notes.txt").write_text("first  paragraph\nstill first\n\n\nsecond one\n")
+    messages = [
+        {"role": "user", "content": "hi  there"},
+        {"role": "assistant", "content": "hello\nfriend"},
+    ]
+    (tmp_path / "chats.jsonl").write_text(
+        json.dumps({"text": "plain text"}) + "\n\n" + json.dumps({"messages": messages}) + "\n"
+    )
+    (tmp_path / "README.md").write_text("ignored")
+    b = sources.prepare("text_files", data_dir, path=str(tmp_path))
+    train = list(sources.iter_texts(b, "train"))
+    validation = list(sources.iter_texts(b, "validation"))
+    assert len(validation) == 1
+    assert sorted(train + validation) == sorted(
+        [
+            "first paragraph still first",
+            "second one",
+            "plain text",
+            "<user> hi there <assistant> hello friend",
+        ]
+    )
+    # A glob names the same files, so the same cache folder.
+    again = sources.prepare("text_files", data_dir, path=str(tmp_path / "*"))
+    assert again.data_dir == b.data_dir
+
+
+def test_text_files_one_document_per_line_and_holdout(tmp_path, data_dir):
+    path = tmp_path / "log.txt"
+    path.write_text("".join(f"line {i}\n" for i in range(45)))
+    b = sources.prepare("text_files", data_dir, path=str(path))
+    assert b.info.splits["train"].num_examples == 43
+    assert sorted(sources.iter_texts(b, "validation")) == ["line 19", "line 39"]
+
+
+def test_text_files_cache_follows_content(tmp_path, data_dir):
+    path = tmp_path / "a.txt"
+    path.write_text("one\ntwo\n")
+    first = sources.prepare("text_files", data_dir, path=str(path))
+    info = os.path.join(first.data_dir, "dataset_info.json")
+    stamp = os.stat(info).st_mtime_ns
+    assert sources.prepare("text_files", data_dir, path=str(path)).data_dir == first.data_dir
+    assert os.stat(info).st_mtime_ns == stamp  # reused, not regenerated
+    path.write_text("one\ntwo\nthree\n")
+    assert text_files_config(path).name != first.builder_config.name
+    second = sources.prepare("text_files", data_dir, path=str(path))
+    assert second.info.splits["train"].num_examples == 2
+
+
+@pytest.mark.parametrize(
+    "name, content, match",
+    [
+        ("missing.txt", None, "no such file"),
+        ("empty.txt", "  \n\n \n", "no documents"),
+        ("data.csv", "a,b\n", ".txt or .jsonl"),
+        ("bad.jsonl", '{"text": "ok"}\n{oops\n', "bad.jsonl:2"),
+        ("role.jsonl", json.dumps({"messages": [{"role": "system", "content": "x"}]}), "role"),
+    ],
+)
+def test_text_files_errors(tmp_path, data_dir, name, content, match):
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(DataError, match=match) as e:
+        sources.prepare("text_files", data_dir, path=str(path))
+    assert "\n" not in str(e.value)
+    assert name in str(e.value)
+
+
+def test_text_files_glob_without_match(tmp_path, data_dir):
+    with pytest.raises(DataError, match="no .txt or .jsonl file matches"):
+        sources.prepare("text_files", data_dir, path=str(tmp_path / "*.jsonl"))
+
+
+def test_unknown_sources(data_dir):
+    with pytest.raises(DataError, match="chatterbot, text_files"):
+        sources.prepare("wikipedia", data_dir)
+    with pytest.raises(DataError, match="no dataset 'surely_not_a_dataset'"):
+        sources.prepare("tfds:surely_not_a_dataset", data_dir)
+    with pytest.raises(DataError, match="path="):
+        sources.prepare("text_files", data_dir)
+    with pytest.raises(DataError, match="takes no options"):
+        sources.prepare("chatterbot", data_dir, path="x")
+
+
+def test_chatterbot(data_dir):
+    b = sources.prepare("chatterbot", data_dir)
+    train = list(sources.iter_texts(b, "train"))
+    assert len(train) > 100
+    assert all(t.startswith("<user> ") and "<assistant>" in t for t in train)
+    assert len(list(sources.iter_texts(b, "validation"))) > 10
+    assert "<user> hello <assistant> hi" in train + list(sources.iter_texts(b, "validation"))
+
+
+def test_holdout_split():
+    assert sources.holdout_split(list(range(5))) == ([0, 1, 2, 3], [4])
+    train, val = sources.holdout_split(list(range(41)))
+    assert val == [19, 39] and len(train) == 39
+    assert sources.holdout_split(["only"]) == (["only"], ["only"])
+
+
+# --- pipeline -----------------------------------------------------------------------------
+
+
+def test_rows_are_the_shuffled_documents_concatenated(builder, tok):
+    batches = list(_iterator(builder, tok, num_epochs=1))
+    for b in batches:
+        for key in ("tokens", "segment_ids", "positions"):
+            assert b[key].shape == (1, SEQ_LEN + 1) and b[key].dtype == np.int32
+    docs = _docs(builder, tok, "train")
+    order = list(grain.MapDataset.range(len(docs)).shuffle(3))
+    assert order != sorted(order)
+    expected = [t for i in order for t in docs[i]]
+    stream = _stream(batches)
+    assert stream == expected  # nothing lost or repeated, in shuffled order
+    # Only the last row is padded.
+    assert all((b["segment_ids"] != 0).all() for b in batches[:-1])
+
+
+def test_segment_ids_and_positions_follow_documents(builder, tok):
+    it = _iterator(builder, tok, batch_size=4)
+    for _ in range(10):
+        batch = next(it)
+        for tokens, seg, pos in zip(
+            batch["tokens"], batch["segment_ids"], batch["positions"], strict=True
+        ):
+            assert seg[0] == 1 and pos[0] == 0
+            starts = tokens[1:] == tok.bos_id  # a new document starts a new segment
+            np.testing.assert_array_equal(seg[1:] - seg[:-1], starts.astype(np.int32))
+            np.testing.assert_array_equal(pos[1:], np.where(starts, 0, pos[:-1] + 1))
+
+
+def test_epochs_reshuffle_and_batches_drop_only_the_tail(builder, tok):
+    batch_size = 4
+    batches = list(_iterator(builder, tok, num_epochs=2, batch_size=batch_size))
+    assert all(b["tokens"].shape == (batch_size, SEQ_LEN + 1) for b in batches)
+    docs = _docs(builder, tok, "train")
+    epochs = [
+        grain.MapDataset.range(len(docs)).shuffle(3).repeat(2)[i] for i in range(2 * len(docs))
+    ]
+    expected = [t for i in epochs for t in docs[i]]
+    stream = _stream(batches)
+    assert stream == expected[: len(stream)]
+    assert len(expected) - len(stream) < batch_size * (SEQ_LEN + 1)
+    first, second = epochs[: len(docs)], epochs[len(docs) :]
+    assert sorted(first) == sorted(second) and first != second
+
+
+def test_deterministic_given_seed(builder, tok):
+    a = [next(it)["tokens"] for it in [_iterator(builder, tok, batch_size=2)] for _ in range(4)]
+    b = [next(it)["tokens"] for it in [_iterator(builder, tok, batch_size=2)] for _ in range(4)]
+    c = [
+        next(it)["tokens"]
+        for it in [_iterator(builder, tok, batch_size=2, seed=4)]
+        for _ in range(4)
+    ]
+    assert all((x == y).all() for x, y in zip(a, b, strict=True))
+    assert not all((x == y).all() for x, y in zip(a, c, strict=True))
+
+
+def test_host_shards_are_disjoint_and_cover_all(builder, tok):
+    shards = []
+    for index in range(2):
+        it = _iterator(builder, tok, num_epochs=1, process_index=index, process_count=2)
+        docs = _split_at_bos(_stream(list(it)), tok.bos_id)
+        shards.append({tuple(d) for d in docs})
+        assert len(shards[-1]) == len(docs)  # every document once
+    assert not shards[0] & shards[1]
+    assert shards[0] | shards[1] == {tuple(d) for d in _docs(builder, tok, "train")}
+
+
+def test_state_resumes_exactly(builder, tok):
+    it = _iterator(builder, tok, batch_size=3)
+    for _ in range(5):
+        next(it)
+    state = it.get_state()
+    assert len(json.dumps(state)) < 200
+    want = [next(it) for _ in range(3)]
+    # grain's checkpoint handler stores the state as JSON: resume from the round trip.
+    for restored_state in (state, json.loads(json.dumps(state))):
+        fresh = _iterator(builder, tok, batch_size=3)
+        fresh.set_state(restored_state)
+        got = [next(fresh) for _ in range(3)]
+        for w, g in zip(want, got, strict=True):
+            for key in w:
+                np.testing.assert_array_equal(w[key], g[key])
+
+
+def test_state_resumes_at_every_row(tok):
+    docs = [
+        np.arange(100 * i, 100 * i + n, dtype=np.int32) for i, n in enumerate([3, 16, 1, 7, 20, 2])
+    ]
+    rows = pipeline.PackedRows(grain.MapDataset.source(docs).to_iter_dataset(), 8)
+    want = list(rows)
+    for k in range(len(want) + 1):
+        it = iter(rows)
+        for _ in range(k):
+            next(it)
+        fresh = iter(rows)
+        fresh.set_state(json.loads(json.dumps(it.get_state())))
+        got = list(fresh)
+        assert len(got) == len(want) - k
+        for w, g in zip(want[k:], got, strict=True):
+            np.testing.assert_array_equal(w["tokens"], g["tokens"])
+
+
+def test_eval_batches(builder, tok):
+    batches = pipeline.eval_batches(
+        builder, "validation", tok, seq_len=SEQ_LEN, batch_size=2, max_batches=100
+    )
+    assert all(b["tokens"].shape == (2, SEQ_LEN + 1) for b in batches)
+    assert _stream(batches) == [t for d in _docs(builder, tok, "validation") for t in d]
+    again = pipeline.eval_batches(
+        builder, "validation", tok, seq_len=SEQ_LEN, batch_size=2, max_batches=1
+    )
+    assert len(again) == 1
+    np.testing.assert_array_equal(again[0]["tokens"], batches[0]["tokens"])
+
+
+def test_empty_or_missing_split_raises(builder, tok):
+    with pytest.raises(DataError, match="no split 'test'"):
+        pipeline.validate_nonempty(builder, "test")
+    assert len(pipeline.validate_nonempty(builder, "train[:10]")) == 10
+    empty = types.SimpleNamespace(name="empty", as_data_source=lambda split: [])
+    with pytest.raises(DataError, match="split 'train' of empty is empty"):
+        _iterator(empty, tok)
+
+
+def test_more_hosts_than_documents_raises(tmp_path, data_dir, tok):
+    path = tmp_path / "two.txt"
+    path.write_text("first\nsecond\n")
+    b = sources.prepare("text_files", data_dir, path=str(path))
+    with pytest.raises(DataError, match="host 1 gets none"):
+        _iterator(b, tok, process_index=1, process_count=2)

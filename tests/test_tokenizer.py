@@ -1,0 +1,98 @@
+import pickle
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+from relf_jax.data.tokenizer import Tokenizer, train_tokenizer
+
+WORDS = "hello there how are you today i am fine thanks the weather is nice , . ? !".split()
+
+
+def _corpus(n=300, seed=0):
+    rng = np.random.default_rng(seed)
+    texts = []
+    for i in range(n):
+        user = " ".join(rng.choice(WORDS, size=rng.integers(2, 9)))
+        bot = " ".join(rng.choice(WORDS, size=rng.integers(2, 12)))
+        texts.append(f"<user> {user} <assistant> {bot} {i}")
+    return texts
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return _corpus()
+
+
+@pytest.fixture(scope="module")
+def tok(corpus):
+    return train_tokenizer(corpus, 120)
+
+
+def test_special_ids(tok):
+    assert (tok.pad_id, tok.eos_id, tok.bos_id, tok.unk_id) == (0, 1, 2, 3)
+    assert tok.vocab_size <= 120
+
+
+def test_round_trip_on_corpus_and_new_sentences(tok, corpus):
+    for text in corpus[:100]:
+        assert tok.decode(tok.encode(text)) == text
+    new = "<user> how is the weather today ? <assistant> it is nice , thanks ! 42"
+    assert tok.decode(tok.encode(new)) == new
+    assert tok.unk_id not in tok.encode(new)
+
+
+def test_chat_markers_are_single_tokens(tok):
+    for marker in ("<user>", "<assistant>"):
+        marker_id = tok.piece_to_id(marker)
+        assert marker_id != tok.unk_id and tok.id_to_piece(marker_id) == marker
+        # Only a bare word-boundary piece may accompany the marker, never a split of it.
+        ids = [i for i in tok.encode(marker) if tok.id_to_piece(i) != "\u2581"]
+        assert ids == [marker_id]
+    ids = tok.encode("<user> hello <assistant> fine")
+    assert ids.count(tok.piece_to_id("<user>")) == 1
+    assert ids.count(tok.piece_to_id("<assistant>")) == 1
+
+
+def test_decode_stops_at_eos_and_drops_pad_bos(tok):
+    text = "<user> hello there <assistant> i am fine"
+    ids = tok.encode(text)
+    seq = [tok.bos_id, *ids, tok.eos_id, *tok.encode("the weather"), tok.pad_id]
+    assert tok.decode(seq) == text
+    assert tok.decode(np.asarray([tok.pad_id, tok.bos_id, *ids, tok.pad_id], np.int32)) == text
+    assert tok.encode_batch([text, "hello"]) == [ids, tok.encode("hello")]
+
+
+def test_pickle_round_trip(tok, corpus):
+    clone = pickle.loads(pickle.dumps(tok))
+    assert clone.vocab_size == tok.vocab_size
+    assert clone.encode(corpus[0]) == tok.encode(corpus[0])
+    assert clone.to_bytes() == tok.to_bytes()
+
+
+def test_save_load(tok, corpus, tmp_path):
+    path = tmp_path / "tok.model"
+    tok.save(path)
+    loaded = Tokenizer.load(path)
+    assert loaded.encode(corpus[1]) == tok.encode(corpus[1])
+    # The file is a plain SentencePiece model.
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    assert sp.encode(corpus[1]) == tok.encode(corpus[1])
+
+
+def test_small_corpus_gets_smaller_vocab_not_a_crash():
+    tok = train_tokenizer(["hello world", "hello there world"], 500)
+    assert tok.vocab_size < 500
+    assert tok.decode(tok.encode("hello there world")) == "hello there world"
+
+
+def test_unigram_model_type(corpus):
+    tok = train_tokenizer(corpus, 100, model_type="unigram")
+    assert tok.decode(tok.encode(corpus[5])) == corpus[5]
+
+
+def test_bad_inputs_raise_value_error():
+    with pytest.raises(ValueError, match="no non-empty text"):
+        train_tokenizer(["", "   "], 100)
+    with pytest.raises(ValueError, match="too small"):
+        train_tokenizer(["abcdefghijklmnopqrstuvwxyz 0123456789"], 16)
