@@ -62,10 +62,12 @@ def abstract_like(tree: Any, shardings: Any = None) -> Any:
 class Checkpointer:
     """Async keep-N checkpoints under ``<workdir>/checkpoints``."""
 
-    def __init__(self, workdir: str, keep: int = 3, async_save: bool = True):
+    def __init__(self, workdir: str, keep: int = 3, async_save: bool = True, read_only: bool = False):
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        if read_only and not os.path.isdir(self.directory):
+            raise UserError(f"no checkpoint found in {self.directory}")
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                               create=True)
+                                               create=not read_only, read_only=read_only)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def steps(self) -> list[int]:

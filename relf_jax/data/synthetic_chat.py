@@ -66,8 +66,9 @@ grammars (tests). The forward algorithm never materialises ``k x e x v x r``:
 topics are independent blocks, ``e`` is a deterministic function of the observed
 text (only the ``<user>`` state emits ``<user>``), and after a word ``w`` is
 observed only the (v, r) states that can emit ``w`` are alive (at most 24 for a
-known word; all content states for ``<unk>``), so each step is a batched
-``[M_t, M_{t-1}] @ [M_{t-1}, K]`` product over texts.
+known word), so each step is a batched ``[M_t, M_{t-1}] @ [M_{t-1}, K]``
+product over texts; runs of ``<unk>`` are folded into powers of the
+transition matrix.
 
 Scores
 ------
@@ -538,14 +539,27 @@ class SyntheticChat:
         self._init_f = np.zeros((F + 1, self.K))
         for v in range(V):
             self._init_f[v * R + self.start_state] = self.verbosity_prior[v] * self.topic_prior
-        # Support of each word: flat states that can emit it (padded with F).
+        # Support of each known word: flat states that can emit it (padded with
+        # F). <unk> (emitted by every content state) is never expanded: runs of
+        # <unk> are folded into powers of (Tf D), see _forward_chunk.
         can = E2.any(axis=2)  # [W+1, F+1]
+        can[self.unk_id] = False
         sizes = np.maximum(can.sum(1), 1)
         sup = np.full((W + 1, int(sizes.max())), F, np.int64)
         for w in range(W + 1):
             nz = np.nonzero(can[w])[0]
             sup[w, : nz.size] = nz
         self._sup, self._sup_len = sup, sizes
+        self.F = F
+        self._Tf = Tf
+        content = np.zeros(F + 1)
+        content[:F] = (E[0, :, :, self.unk_id] > 0).reshape(F)
+        self._TfD = Tf * content[None, :]  # one step that ends in an <unk>-emitting state
+        self._log_unk = float(np.log(c.unk_prob))
+        self._pow2 = [self._TfD]  # (Tf D)^(2^j)
+        self._GT_cache: dict[int, np.ndarray] = {}
+        self._h_tab = np.ones((1, F + 1))  # h_u = (Tf D)^u 1
+        self._g_tab = self._eot_f[None].copy()  # g_u = (Tf D)^u eot
         self._T_fwd = T.copy()  # local T with the end-of-turn mass in the U_START column
         self._T_fwd[:, :, self.start_state] = eot
         self._sampler_tables = None
@@ -626,55 +640,125 @@ class SyntheticChat:
             full[idx], pre[idx], at_mark[idx] = f, p, m
         return full, pre, at_mark
 
+    def _GT(self, u: int) -> np.ndarray:
+        """``((Tf D)^u Tf)^T`` [F+1, F+1]: transition across ``u`` <unk> words
+        (without the ``unk_prob^u`` factor), transposed (``[to, from]``)."""
+        if u == 0:
+            return self._TfT
+        got = self._GT_cache.get(u)
+        if got is None:
+            while (1 << len(self._pow2)) <= u:
+                self._pow2.append(self._pow2[-1] @ self._pow2[-1])
+            m = self._Tf
+            for j in range(len(self._pow2)):
+                if u >> j & 1:
+                    m = self._pow2[j] @ m
+            got = np.ascontiguousarray(m.T)
+            if len(self._GT_cache) >= 16:
+                self._GT_cache.clear()
+            self._GT_cache[u] = got
+        return got
+
+    def _hg(self, u: np.ndarray):
+        """Vectors h_u = (Tf D)^u 1 and g_u = (Tf D)^u eot, rows [len(u), F+1]."""
+        need = int(u.max())
+        while self._h_tab.shape[0] <= need:
+            n = self._h_tab.shape[0]
+            h, g = [self._h_tab], [self._g_tab]
+            for _ in range(n):  # double the tables
+                h.append((self._TfD @ h[-1][-1])[None])
+                g.append((self._TfD @ g[-1][-1])[None])
+            self._h_tab, self._g_tab = np.concatenate(h), np.concatenate(g)
+        return self._h_tab[u], self._g_tab[u]
+
     def _forward_chunk(self, seqs, marks):
-        """Forward pass over one batch of texts, sparse in the state: after
-        emitting word w only the states in support(w) are alive, so each step is
-        a batched [M_t, M_{t-1}] @ [M_{t-1}, K] product (M <= 24 for a known
-        word, all content states for <unk>)."""
-        W = self.W
+        """Forward pass over one batch of texts, sparse in the state.
+
+        After a known word w only the flat states in support(w) are alive
+        (<= 24 of V*R), so a step is a batched ``[M_t, M_{t-1}] @ [M_{t-1}, K]``
+        product. ``<unk>`` (emitted by every content state with probability
+        ``unk_prob``) is not expanded: a run of ``u`` unknown words is folded
+        into the next transition as ``unk_prob^u (Tf D)^u Tf`` (D = content
+        states), and prefix / end probabilities inside a run use
+        ``(Tf D)^u 1`` and ``(Tf D)^u eot``. Exact, not an approximation.
+        """
+        W, F, K = self.W, self.F, self.K
         B = len(seqs)
         lens = np.array([len(s) for s in seqs])
         Tm = int(lens.max())
-        ids = np.full((B, Tm), W, np.int64)  # pad word W
+        ids = np.full((B, Tm), W, np.int64)  # pad word W (emits nothing)
         for b, s in enumerate(seqs):
             ids[b, : len(s)] = s
+        ids[ids[:, 0] == self.unk_id, 0] = W  # a text cannot start with <unk>
+        is_unk = ids == self.unk_id
         is_user = ids == self.user_id
         e_before = np.cumsum(is_user, axis=1) - is_user  # exchanges completed before t
         cap = len(self._p_more) - 1
         factor = np.where(is_user, self._p_more[np.minimum(e_before, cap)], 1.0)  # [B, Tm]
         p_end = 1.0 - self._p_more[np.minimum(is_user.sum(1), cap)]
-        slen = self._sup_len[ids]  # [B, Tm]
+        Mmax = self._sup.shape[1]
 
+        alpha = np.zeros((B, Mmax, K))  # normalised forward values on `prev`
+        prev = np.full((B, Mmax), F, np.int64)  # their flat states (F = dummy)
+        wid = np.ones(B, np.int64)
+        pend = np.zeros(B, np.int64)  # <unk> words since the last known word
         logz = np.zeros(B)
         full = np.full(B, -np.inf)
         pre = np.full(B, -np.inf)
         at_mark = np.where(marks == 0, 0.0, -np.inf)
         last = lens - 1
-        prev = None
         for t in range(Tm):
-            w = ids[:, t]
-            cur = self._sup[w, : int(slen[:, t].max())]  # [B, M]
-            emit = self._E2[w[:, None], cur]  # [B, M, K]
-            if t == 0:
-                alpha = self._init_f[cur] * emit
-            else:
-                tsub = self._TfT[cur[:, :, None], prev[:, None, :]]  # [B, M, Mprev]
-                alpha = np.matmul(tsub, alpha) * emit
-                alpha *= factor[:, t, None, None]
-            s = alpha.sum(axis=(1, 2))
-            with np.errstate(divide="ignore"):
-                logz = np.where(t < lens, logz + np.log(s), logz)
-            alpha /= np.where(s > 0, s, 1.0)[:, None, None]
-            prev = cur
-            hit = marks == t + 1
-            if hit.any():
-                at_mark[hit] = logz[hit]
-            done = np.nonzero(last == t)[0]
-            if done.size:
-                pre[done] = logz[done]
-                end = np.einsum("dmk,dm->d", alpha[done], self._eot_f[cur[done]]) * p_end[done]
+            active = t < lens
+            pend[is_unk[:, t] & active] += 1
+            rows = np.nonzero(~is_unk[:, t] & active)[0]
+            if rows.size:
+                w = ids[rows, t]
+                mc = int(self._sup_len[w].max())
+                cur = self._sup[w, :mc]  # [n, Mc]
+                emit = self._E2[w[:, None], cur]  # [n, Mc, K]
+                if t == 0:
+                    a = self._init_f[cur] * emit
+                else:
+                    mp = int(wid[rows].max())
+                    pv = prev[rows, :mp]
+                    u = pend[rows]
+                    if not u.any():
+                        tsub = self._TfT[cur[:, :, None], pv[:, None, :]]
+                    else:
+                        tsub = np.empty((rows.size, mc, mp))
+                        for uu in np.unique(u):
+                            sel = u == uu
+                            tsub[sel] = self._GT(int(uu))[cur[sel][:, :, None], pv[sel][:, None, :]]
+                        logz[rows] += u * self._log_unk
+                        pend[rows] = 0
+                    a = np.matmul(tsub, alpha[rows, :mp]) * emit
+                    a *= factor[rows, t, None, None]
+                sa = a.sum(axis=(1, 2))
                 with np.errstate(divide="ignore"):
-                    full[done] = logz[done] + np.log(end)
+                    logz[rows] += np.log(sa)
+                a /= np.where(sa > 0, sa, 1.0)[:, None, None]
+                alpha[rows, :mc] = a
+                alpha[rows, mc:] = 0.0
+                prev[rows, :mc] = cur
+                prev[rows, mc:] = F
+                wid[rows] = mc
+            hit = np.nonzero((marks == t + 1) | (last == t))[0]
+            if hit.size:
+                u = pend[hit]
+                h, g = self._hg(u)  # [d, F+1]
+                st = prev[hit]
+                a = alpha[hit].sum(-1)  # [d, Mmax]
+                mass = (a * np.take_along_axis(h, st, 1)).sum(1)
+                end = (a * np.take_along_axis(g, st, 1)).sum(1) * p_end[hit]
+                base = logz[hit] + u * self._log_unk
+                with np.errstate(divide="ignore"):
+                    lpre = base + np.log(mass)
+                    lfull = base + np.log(end)
+                m = marks[hit] == t + 1
+                at_mark[hit[m]] = lpre[m]
+                f = last[hit] == t
+                pre[hit[f]] = lpre[f]
+                full[hit[f]] = lfull[f]
         return full, pre, at_mark
 
     # ---------------------------------------------------------- explicit HMM

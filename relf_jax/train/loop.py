@@ -277,7 +277,7 @@ def load_params(workdir: str, model_cfg: ModelConfig, train_cfg, mesh=None):
     """
     mesh = mesh or shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     plan = plan_state(model_cfg, make_optimizer(train_cfg), mesh)
-    restored = Checkpointer(workdir, keep=1_000_000, async_save=False).restore_latest(
+    restored = Checkpointer(workdir, async_save=False, read_only=True).restore_latest(
         plan.restore_target(), family=model_cfg.family)
     if restored is None:
         raise UserError(f"no checkpoint found in {os.path.join(os.path.abspath(workdir), 'checkpoints')}")

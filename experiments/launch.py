@@ -1,0 +1,125 @@
+"""The `relf-jax` command line (also ``python -m experiments.launch``).
+
+Parses arguments and calls library functions; holds no method. Config overrides are
+``key=value`` words after the subcommand, e.g.::
+
+    relf-jax train --preset tiny --workdir runs/tiny train.steps=200
+    relf-jax sample --workdir runs/tiny --prompt "<user> how is the weather <assistant>"
+    relf-jax eval --workdir runs/tiny
+    relf-jax demo --quick
+    relf-jax info
+
+On a TPU pod run the same command on every worker; JAX's multi-host runtime is started by
+`relf_jax.sharding.init_distributed` (``mesh.distributed=auto|on|off``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="relf-jax", description="relf_jax: low-latency language models in JAX.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="prepare data + tokenizer and train (or resume) a model")
+    t.add_argument("--preset", default="cpu")
+    t.add_argument("--workdir", default=None, help="run directory (default runs/<preset>)")
+
+    s = sub.add_parser("sample", help="sample from a trained checkpoint")
+    s.add_argument("--workdir", required=True)
+    s.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
+    s.add_argument("--stream", action="store_true", help="print the reply as it is generated")
+
+    e = sub.add_parser("eval", help="gen PPL + entropy of samples, distinct-n, validation loss")
+    e.add_argument("--workdir", required=True)
+    e.add_argument("--judge", default="exact", help="'exact' (synthetic grammar) or an AR run directory")
+    e.add_argument("--out", default=None, help="write the result as JSON here")
+
+    d = sub.add_parser("demo", help="the main job: train, sample, measure, report")
+    d.add_argument("--quick", action="store_true", help="tiny preset, about 2 minutes")
+    d.add_argument("--workdir", default=None)
+
+    sub.add_parser("info", help="devices, mesh and versions")
+    for sp in (t, s, e, d):
+        sp.add_argument("overrides", nargs="*", help="config overrides key=value")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from relf_jax.errors import UserError
+
+    try:
+        return _run(args)
+    except UserError as e:
+        print(f"relf-jax: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("relf-jax: interrupted (the last finished step was checkpointed)", file=sys.stderr)
+        return 130
+
+
+def _run(args) -> int:
+    from relf_jax import workflows
+    from relf_jax.config import make_config, set_value
+    from relf_jax.sharding import init_distributed
+
+    if args.command == "info":
+        from relf_jax.info import describe
+        print(json.dumps(describe(), indent=2))
+        return 0
+    if args.command == "demo":
+        from experiments.demo import run_demo
+        run_demo(quick=args.quick, workdir=args.workdir, overrides=args.overrides)
+        return 0
+    if args.command == "train":
+        cfg = make_config(args.preset, args.overrides, workdir=args.workdir or os.path.join("runs", args.preset))
+        init_distributed(cfg.mesh.distributed)
+        res = workflows.train_lm(cfg)
+        print(json.dumps({"workdir": res.workdir, "step": res.step, "loss": res.loss, "eval_loss": res.eval_loss,
+                          "resumed_from": res.resumed_from}))
+        return 0
+    lm = workflows.load_model(args.workdir, "ar")
+    cfg = lm.cfg
+    for item in args.overrides:
+        if "=" not in item:
+            from relf_jax.config import ConfigError
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, value = item.split("=", 1)
+        if not key.startswith("sample."):
+            from relf_jax.config import ConfigError
+            raise ConfigError(f"{args.command} takes only sample.* overrides, got {key!r}")
+        cfg = set_value(cfg, key, value)
+    cfg.validate()
+    if args.command == "sample":
+        if args.stream:
+            for prompt in args.prompt or [""]:
+                for piece in workflows.stream_reply(lm, prompt, cfg.sample):
+                    print(piece, end="", flush=True)
+                print()
+            return 0
+        s = workflows.sample(lm, prompts=args.prompt, sample_cfg=cfg.sample, warmup=False)
+        for text in s.texts:
+            print(text)
+        print(f"[{s.tokens} tokens, {s.tokens_per_s:,.1f} tokens/s]", file=sys.stderr)
+        return 0
+    if args.command == "eval":
+        judge = workflows.exact_judge(cfg) if args.judge == "exact" else workflows.model_judge(args.judge)
+        s = workflows.sample(lm, sample_cfg=cfg.sample)
+        out = workflows.evaluate_samples(s, judge)
+        out["validation_loss"] = workflows.validation_loss(lm)
+        out["step"] = lm.step
+        print(json.dumps(out, indent=2))
+        if args.out:
+            workflows.write_json(args.out, out)
+        return 0
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""What `relf-jax info` prints: devices, the default mesh, library versions."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+
+import jax
+
+from relf_jax.sharding import make_mesh
+
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tensorflow-datasets",
+            "sentencepiece", "numpy")
+
+
+def describe() -> dict:
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    mesh = make_mesh()
+    return {
+        "backend": jax.default_backend(),
+        "process": f"{jax.process_index()} of {jax.process_count()}",
+        "devices": [str(d) for d in jax.devices()],
+        "local_device_count": jax.local_device_count(),
+        "default_mesh": dict(mesh.shape),
+        "python": platform.python_version(),
+        "versions": versions,
+    }

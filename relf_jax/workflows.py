@@ -1,0 +1,264 @@
+"""End-to-end recipes shared by the `relf-jax` CLI and Colab: data -> tokenizer -> train ->
+load -> sample -> evaluate. Each is one function call::
+
+    from relf_jax import workflows
+    from relf_jax.config import make_config
+    cfg = make_config("tiny", workdir="runs/tiny")
+    result = workflows.train_lm(cfg)
+    lm = workflows.load_model("runs/tiny")
+    samples = workflows.sample(lm, n=8)
+    print(workflows.evaluate_samples(lm, samples, workflows.exact_judge(cfg)))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import time
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+
+from relf_jax.checkpoint import Checkpointer, tokenizer_bytes_from_meta
+from relf_jax.config import Config, ModelConfig, SampleConfig, validate_sampling
+from relf_jax.data import pipeline, sources
+from relf_jax.data.tokenizer import Tokenizer, train_tokenizer
+from relf_jax.errors import UserError
+from relf_jax.eval.judges import ExactJudge, ModelJudge
+from relf_jax.eval.metrics import quality
+from relf_jax.sampling import autoregressive as ar
+from relf_jax.train.loop import TrainResult, load_params, train
+from relf_jax.train.objectives import next_token_loss
+
+TOKENIZER_TRAIN_DOCS = 20_000
+
+
+def data_dir(cfg: Config) -> str:
+    return os.path.join(os.path.abspath(cfg.workdir), "data")
+
+
+def prepare_data(cfg: Config):
+    """Prepare the configured source (cached under ``<workdir>/data``); return the TFDS builder."""
+    d = cfg.data
+    if d.source == "synthetic_chat":
+        topics = tuple(int(t) for t in d.topics.split(",") if t.strip()) or None
+        return sources.prepare("synthetic_chat", data_dir(cfg), num_train=d.num_train,
+                               num_validation=d.num_validation, seed=d.data_seed, topics=topics)
+    if d.source == "text_files":
+        if not d.path:
+            raise UserError("data.source=text_files needs data.path=<file, directory or glob>")
+        return sources.prepare("text_files", data_dir(cfg), path=d.path)
+    return sources.prepare(d.source, data_dir(cfg))
+
+
+def prepare_tokenizer(cfg: Config, builder) -> Tokenizer:
+    """Load ``<workdir>/tokenizer.model`` or train it on the training split and save it there."""
+    path = os.path.join(os.path.abspath(cfg.workdir), "tokenizer.model")
+    if os.path.exists(path):
+        return Tokenizer.load(path)
+    texts = itertools.islice(sources.iter_texts(builder, "train"), TOKENIZER_TRAIN_DOCS)
+    tok = train_tokenizer(texts, cfg.data.vocab_size, model_type=cfg.data.tokenizer_type)
+    if jax.process_index() == 0:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tok.save(path)
+    return tok
+
+
+def train_lm(cfg: Config, *, mesh=None) -> TrainResult:
+    """Prepare data and tokenizer, then train (or resume) the AR model of `cfg` in its workdir."""
+    builder = prepare_data(cfg)
+    tok = prepare_tokenizer(cfg, builder)
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size)
+    cfg = dataclasses.replace(cfg, model=model_cfg)
+    d, t = cfg.data, cfg.train
+    data = pipeline.make_iterator(builder, "train", tok, seq_len=d.seq_len, batch_size=t.batch_size,
+                                  seed=t.seed)
+    evals = pipeline.eval_batches(builder, "validation", tok, seq_len=d.seq_len, batch_size=t.batch_size,
+                                  max_batches=t.eval_batches)
+    return train(cfg, model_cfg, next_token_loss, data, eval_data=evals,
+                 workdir=os.path.join(cfg.workdir, model_cfg.family), mesh=mesh,
+                 tokenizer_bytes=tok.to_bytes())
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A restored model: config, network (graphdef + params), tokenizer, checkpoint step."""
+
+    cfg: Config
+    model_cfg: ModelConfig
+    graphdef: object
+    params: object
+    tokenizer: Tokenizer
+    step: int
+
+
+def latest_meta(model_dir: str) -> dict:
+    """The metadata of the newest readable checkpoint in `model_dir` (UserError if none)."""
+    ckpt = Checkpointer(model_dir, async_save=False, read_only=True)
+    for step in reversed(ckpt.steps()):
+        try:
+            return ckpt.read_meta(step)
+        except Exception:  # noqa: BLE001 - unreadable: fall back to the previous one
+            continue
+    raise UserError(f"no checkpoint found in {os.path.join(os.path.abspath(model_dir), 'checkpoints')}; "
+                    "train one first (relf-jax train ...)")
+
+
+def load_model(workdir: str, family: str = "ar") -> LoadedModel:
+    """Restore the newest good `family` checkpoint from ``<workdir>/<family>`` (or `workdir`)."""
+    model_dir = os.path.join(workdir, family)
+    if not os.path.isdir(os.path.join(model_dir, "checkpoints")):
+        model_dir = workdir
+    meta = latest_meta(model_dir)
+    if meta.get("family") != family:
+        raise UserError(f"the checkpoint in {model_dir} holds a {meta.get('family')!r} model, not {family!r}")
+    cfg = Config.from_dict(meta["config"])
+    model_cfg = ModelConfig(**meta["model"])
+    graphdef, params, meta = load_params(model_dir, model_cfg, cfg.train)
+    tok_bytes = tokenizer_bytes_from_meta(meta)
+    if tok_bytes is None:
+        raise UserError(f"the checkpoint in {model_dir} carries no tokenizer")
+    return LoadedModel(cfg=cfg, model_cfg=model_cfg, graphdef=graphdef, params=params,
+                       tokenizer=Tokenizer(tok_bytes), step=int(meta["step"]))
+
+
+@dataclasses.dataclass
+class Samples:
+    texts: list[str]  # decoded replies (EOS excluded)
+    token_ids: list[list[int]]
+    complete: list[bool]  # reply ended with EOS
+    seconds: float  # decode wall time, compilation excluded
+    tokens: int  # generated tokens (EOS included)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+
+def encode_prompt(tok: Tokenizer, prompt: str) -> list[int]:
+    """BOS + the prompt's tokens. An empty prompt starts a fresh conversation."""
+    return [tok.bos_id] + (tok.encode(prompt) if prompt else [])
+
+
+def sample(lm: LoadedModel, prompts: Optional[Sequence[str]] = None, n: Optional[int] = None,
+           sample_cfg: Optional[SampleConfig] = None, warmup: bool = True) -> Samples:
+    """Sample replies with the jitted while_loop sampler, `batch_size` prompts at a time.
+
+    prompts: texts to continue (default: `n` empty prompts, i.e. unconditional conversations).
+    With `warmup`, the first batch shape is compiled before the clock starts.
+    """
+    sc = sample_cfg or lm.cfg.sample
+    validate_sampling(sc.temperature, sc.top_k, sc.top_p)
+    n = n or sc.num_samples
+    prompts = list(prompts) if prompts is not None else [""] * n
+    if not prompts:
+        raise UserError("no prompts to sample from")
+    tok = lm.tokenizer
+    ids = [encode_prompt(tok, p) for p in prompts]
+    longest = max(len(x) for x in ids)
+    bucket = ar.prompt_bucket(longest)
+    ar.check_context(longest, sc.max_new_tokens, lm.model_cfg.max_seq_len)
+    bucket = min(bucket, lm.model_cfg.max_seq_len - sc.max_new_tokens)
+    settings = ar.DecodeSettings(max_new_tokens=sc.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    params = ar.SamplingParams.make(sc.temperature, sc.top_k, sc.top_p)
+    bs = sc.batch_size
+    key = jax.random.key(sc.seed)
+    texts, token_ids, complete, seconds, total = [], [], [], 0.0, 0
+    for start in range(0, len(ids), bs):
+        chunk = ids[start:start + bs]
+        rows = chunk + [[tok.bos_id]] * (bs - len(chunk))  # fixed batch shape: one compilation
+        arr, lens = ar.pad_prompts(rows, tok.pad_id, bucket)
+        key, sub = jax.random.split(key)
+        if warmup and start == 0:
+            jax.block_until_ready(ar.generate(lm.graphdef, lm.params, arr, lens, sub, params, settings).tokens)
+        t0 = time.perf_counter()
+        state = ar.generate(lm.graphdef, lm.params, arr, lens, sub, params, settings)
+        jax.block_until_ready(state.tokens)
+        seconds += time.perf_counter() - t0
+        for reply in ar.replies(state, lens)[:len(chunk)]:
+            total += len(reply)
+            done = bool(reply) and reply[-1] == tok.eos_id
+            body = reply[:-1] if done else reply
+            token_ids.append(body)
+            complete.append(done)
+            texts.append(tok.decode(body))
+    return Samples(texts=texts, token_ids=token_ids, complete=complete, seconds=seconds, tokens=total)
+
+
+def stream_reply(lm: LoadedModel, prompt: str, sample_cfg: Optional[SampleConfig] = None):
+    """Yield the reply to `prompt` piece by piece (text deltas) as it is generated."""
+    sc = sample_cfg or lm.cfg.sample
+    tok = lm.tokenizer
+    ids = encode_prompt(tok, prompt)
+    ar.check_context(len(ids), sc.max_new_tokens, lm.model_cfg.max_seq_len)
+    arr, lens = ar.pad_prompts([ids], tok.pad_id, min(ar.prompt_bucket(len(ids)),
+                                                      lm.model_cfg.max_seq_len - sc.max_new_tokens))
+    settings = ar.DecodeSettings(max_new_tokens=sc.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    out: list[int] = []
+    shown = ""
+    for toks, emitted in ar.stream(lm.graphdef, lm.params, arr, lens, jax.random.key(sc.seed),
+                                   ar.SamplingParams.make(sc.temperature, sc.top_k, sc.top_p), settings):
+        if not emitted[0] or int(toks[0]) == tok.eos_id:
+            continue
+        out.append(int(toks[0]))
+        text = tok.decode(out)
+        if len(text) > len(shown):
+            yield text[len(shown):]
+            shown = text
+
+
+def exact_judge(cfg: Config) -> ExactJudge:
+    """The synthetic grammar that generated `cfg`'s data, as an exact judge."""
+    from relf_jax.data.synthetic_chat import GrammarConfig, SyntheticChat
+
+    if cfg.data.source != "synthetic_chat":
+        raise UserError("the exact judge needs data.source=synthetic_chat; use a model judge instead")
+    return ExactJudge(SyntheticChat(GrammarConfig(seed=cfg.data.data_seed)))
+
+
+def model_judge(workdir: str) -> ModelJudge:
+    """Any relf_jax AR checkpoint as a judge."""
+    lm = load_model(workdir, "ar")
+    return ModelJudge(lm.graphdef, lm.params, lm.tokenizer, lm.model_cfg.max_seq_len)
+
+
+def evaluate_samples(samples: Samples, judge) -> dict:
+    """Quality pair (gen PPL, entropy) plus distinct-n and speed of `samples` under `judge`."""
+    q = quality(judge, samples.texts, samples.complete)
+    return {**q.as_dict(), "tokens_per_s": samples.tokens_per_s, "judge": judge.name}
+
+
+def data_reference(cfg: Config, tok: Tokenizer, judge, n: int, max_tokens: int) -> dict:
+    """The held-out data scored like samples: same tokenizer round-trip, same length cap."""
+    builder = prepare_data(cfg)
+    texts = list(itertools.islice(sources.iter_texts(builder, "validation"), n))
+    cut, complete = [], []
+    for text in texts:
+        ids = tok.encode(text)
+        fits = len(ids) + 1 <= max_tokens  # +1: the EOS a sample would emit
+        cut.append(tok.decode(ids if fits else ids[:max_tokens]))
+        complete.append(fits)
+    return quality(judge, cut, complete).as_dict()
+
+
+def validation_loss(lm: LoadedModel, max_batches: int = 8) -> float:
+    """Mean next-token loss on the validation split (nats/token)."""
+    from relf_jax.train.loop import make_eval_step, plan_state
+    from relf_jax.train.optimizers import make_optimizer
+    from relf_jax.sharding import make_mesh
+
+    builder = prepare_data(lm.cfg)
+    batches = pipeline.eval_batches(builder, "validation", lm.tokenizer, seq_len=lm.cfg.data.seq_len,
+                                    batch_size=lm.cfg.train.batch_size, max_batches=max_batches)
+    plan = plan_state(lm.model_cfg, make_optimizer(lm.cfg.train), make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    step = make_eval_step(plan, next_token_loss)
+    return float(np.mean([float(step(lm.params, b)) for b in batches]))
+
+
+def write_json(path: str, obj) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
