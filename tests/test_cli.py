@@ -1,0 +1,113 @@
+"""The launcher: every bad input is a one-line error with exit status 2, not a traceback."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from experiments.launch import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture(scope="module")
+def cb_run(tmp_path_factory):
+    """A tiny AR model trained through the CLI on the chatterbot corpus."""
+    wd = str(tmp_path_factory.mktemp("cb"))
+    rc = main(["train", "--preset", "tiny", "--workdir", wd, "data.source=chatterbot", "train.steps=10",
+               "train.progress=false"])
+    assert rc == 0
+    return wd
+
+
+def _one_line_error(rc, err, *words):
+    assert rc == 2
+    lines = [line for line in err.strip().splitlines() if line.startswith("relf-jax: error:")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["train", "--preset", "huge"], ["unknown preset 'huge'", "tiny"]),
+    (["train", "--preset", "tiny", "train.stepz=1"], ["train.stepz", "train.steps"]),
+    (["train", "--preset", "tiny", "train.steps=many"], ["train.steps", "int"]),
+    (["train", "--preset", "tiny", "sample.temperature=-1"], ["temperature must be >= 0"]),
+    (["train", "--preset", "tiny", "sample.top_p=1.5"], ["top_p must be in (0, 1]"]),
+    (["train", "--preset", "tiny", "sample.top_k=-3"], ["top_k must be >= 0"]),
+])
+def test_bad_config(capsys, tmp_path, argv, words):
+    rc, _, err = _run(capsys, *argv, "--workdir", str(tmp_path))
+    _one_line_error(rc, err, *words)
+
+
+def test_missing_and_empty_data_files(capsys, tmp_path):
+    rc, _, err = _run(capsys, "train", "--preset", "tiny", "--workdir", str(tmp_path / "a"),
+                      "data.source=text_files", f"data.path={tmp_path / 'nope.jsonl'}")
+    _one_line_error(rc, err, "nope.jsonl")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n  \n")
+    rc, _, err = _run(capsys, "train", "--preset", "tiny", "--workdir", str(tmp_path / "b"),
+                      "data.source=text_files", f"data.path={empty}")
+    _one_line_error(rc, err, "empty.txt")
+    rc, _, err = _run(capsys, "train", "--preset", "tiny", "--workdir", str(tmp_path / "c"),
+                      "data.source=text_files")
+    _one_line_error(rc, err, "data.path")
+    rc, _, err = _run(capsys, "train", "--preset", "tiny", "--workdir", str(tmp_path / "d"), "data.source=nosuch")
+    _one_line_error(rc, err, "nosuch")
+
+
+def test_sampling_errors(capsys, cb_run):
+    rc, _, err = _run(capsys, "sample", "--workdir", cb_run, "sample.temperature=-0.5")
+    _one_line_error(rc, err, "temperature")
+    rc, _, err = _run(capsys, "sample", "--workdir", cb_run, "sample.top_p=0")
+    _one_line_error(rc, err, "top_p")
+    rc, _, err = _run(capsys, "sample", "--workdir", cb_run, "sample.top_k=-1")
+    _one_line_error(rc, err, "top_k")
+    rc, _, err = _run(capsys, "sample", "--workdir", cb_run, "--prompt", "hello " * 200)
+    _one_line_error(rc, err, "exceeds the model context")
+    rc, _, err = _run(capsys, "sample", "--workdir", cb_run, "train.steps=3")
+    _one_line_error(rc, err, "sample.*")
+    rc, _, err = _run(capsys, "sample", "--workdir", str(os.path.join(cb_run, "nothing-here")))
+    _one_line_error(rc, err, "no checkpoint")
+
+
+def test_sample_and_stream(capsys, cb_run):
+    rc, out, err = _run(capsys, "sample", "--workdir", cb_run, "--prompt", "<user> hello <assistant>",
+                        "sample.max_new_tokens=8", "sample.num_samples=1")
+    assert rc == 0 and out.strip() and "tokens/s" in err
+    rc, out, _ = _run(capsys, "sample", "--workdir", cb_run, "--stream", "--prompt", "<user> hi <assistant>",
+                      "sample.max_new_tokens=8", "sample.temperature=0")
+    assert rc == 0 and out.strip()
+
+
+def test_checkpoint_of_another_family(capsys, cb_run, tmp_path):
+    """A workdir whose checkpoint holds a different model family is refused by name."""
+    from relf_jax.checkpoint import Checkpointer
+    ckpt = Checkpointer(str(tmp_path / "other" / "ar"), async_save=False)
+    ckpt.save(1, {"x": __import__("numpy").zeros(2)}, meta={"family": "relf", "config": {}, "model": {}})
+    ckpt.close()
+    rc, _, err = _run(capsys, "sample", "--workdir", str(tmp_path / "other"))
+    _one_line_error(rc, err, "'relf'", "not 'ar'")
+
+
+@pytest.mark.entry
+def test_console_script_entry_point(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "experiments.launch", "info"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0
+    info = json.loads(proc.stdout)
+    assert info["backend"] == "cpu" and info["default_mesh"]["data"] >= 1
+    proc = subprocess.run([sys.executable, "-m", "experiments.launch", "train", "--preset", "nope"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown preset" in proc.stderr and "Traceback" not in proc.stderr
