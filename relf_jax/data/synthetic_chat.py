@@ -39,7 +39,15 @@ Generative story
    ("on the other hand", "for example") inserted between content words, and
    an optional closing phrase ("i hope this helps", "let me know if you need
    anything else").
-5. After each assistant turn the conversation continues with another exchange
+5. Noise: at every step of a turn the automaton may derail (probability
+   ``noise_prob``) into that turn's NOISE state, which emits any non-marker
+   vocabulary word uniformly, then stays, rejoins the content syntax, or ends
+   the turn. So a misplaced known word costs about ``log(noise_prob / W)``
+   (~ -15 nats) instead of making the text impossible: every text whose marker
+   skeleton is valid (starts with ``<user>``, markers alternate, no empty turn,
+   at most 3 exchanges) has a finite log-probability. Texts with a broken
+   skeleton get ``-inf``.
+6. After each assistant turn the conversation continues with another exchange
    with probability ``more_exchange_prob[e - 1]`` (``e`` = exchanges so far) and
    ends otherwise; after ``len(more_exchange_prob) + 1`` exchanges it always
    ends. Every loop has probability < 1, so the grammar is a proper
@@ -51,22 +59,24 @@ with a fixed Markov chain between them), so word order matters. NOUN / VERB /
 ADJ states emit the topic's words (uncertain, Zipf-weighted, broad), generic
 words, and with probability ``leak_prob`` other topics' words. Phrase states
 are deterministic chains (each emits its word with probability
-``1 - unk_prob``). Zipf weights are permuted by ``GrammarConfig.seed``, so the
+``1 - unk_prob``, and continues the chain with probability
+``1 - noise_prob``). Zipf weights are permuted by ``GrammarConfig.seed``, so the
 seed changes the language.
 
 State space
 -----------
 A hidden state is ``(k, e, v, r)``: topic ``k`` in ``[0, K)``, exchange index
 ``e`` in ``[1, E]``, verbosity ``v`` in ``[0, V)``, and a local automaton state
-``r`` in ``[0, R)`` (``R`` = 17 structural states + one state per word of each
-formulaic phrase: 108 with the default config; see ``state_names``). The local
+``r`` in ``[0, R)`` (``R`` = 19 structural states + one state per word of each
+formulaic phrase: 110 with the default config, so 8 * 3 * 4 * 110 = 10,560
+states; see ``state_names``). The local
 transition matrix ``T[v]`` does not depend on ``k``; emissions ``E[k, v, r, w]``
 do. ``explicit_hmm()`` returns this full, unfactored automaton for small
 grammars (tests). The forward algorithm never materialises ``k x e x v x r``:
 topics are independent blocks, ``e`` is a deterministic function of the observed
 text (only the ``<user>`` state emits ``<user>``), and after a word ``w`` is
-observed only the (v, r) states that can emit ``w`` are alive (at most 24 for a
-known word), so each step is a batched ``[M_t, M_{t-1}] @ [M_{t-1}, K]``
+observed only the (v, r) states that can emit ``w`` are alive (at most 32 of
+440 for a known word), so each step is a batched ``[M_t, M_{t-1}] @ [M_{t-1}, K]``
 product over texts; runs of ``<unk>`` are folded into powers of the
 transition matrix.
 
@@ -83,17 +93,18 @@ for the end event when ``prefix=False``), so gen PPL is
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import itertools
+from collections.abc import Sequence
 
 import numpy as np
 
 __all__ = [
+    "ASSISTANT",
+    "TOPIC_NAMES",
+    "UNK",
+    "USER",
     "GrammarConfig",
     "SyntheticChat",
-    "TOPIC_NAMES",
-    "USER",
-    "ASSISTANT",
-    "UNK",
 ]
 
 USER = "<user>"
@@ -108,86 +119,73 @@ UNK = "<unk>"
 # topic -> (nouns, verbs, adjectives)
 _TOPICS: dict[str, tuple[list[str], list[str], list[str]]] = {
     "weather": (
-        "rain snow wind storm cloud sun forecast temperature humidity thunder fog "
-        "umbrella climate degrees drizzle hail".split(),
-        "rains snows pours freezes shines blows".split(),
-        "sunny cloudy windy rainy humid chilly".split(),
+        ["rain", "snow", "wind", "storm", "cloud", "sun", "forecast", "temperature", "humidity", "thunder", "fog", "umbrella", "climate", "degrees", "drizzle", "hail"],
+        ["rains", "snows", "pours", "freezes", "shines", "blows"],
+        ["sunny", "cloudy", "windy", "rainy", "humid", "chilly"],
     ),
     "food": (
-        "recipe pasta bread rice soup salad cheese garlic oven kitchen dinner "
-        "breakfast sauce spice dessert flavor".split(),
-        "bake cook boil fry taste chop".split(),
-        "delicious spicy sweet salty fresh crispy".split(),
+        ["recipe", "pasta", "bread", "rice", "soup", "salad", "cheese", "garlic", "oven", "kitchen", "dinner", "breakfast", "sauce", "spice", "dessert", "flavor"],
+        ["bake", "cook", "boil", "fry", "taste", "chop"],
+        ["delicious", "spicy", "sweet", "salty", "fresh", "crispy"],
     ),
     "travel": (
-        "flight airport hotel passport luggage ticket beach city museum train "
-        "journey visa itinerary map tourist destination".split(),
-        "fly visit pack explore book wander".split(),
-        "scenic cheap crowded exotic remote historic".split(),
+        ["flight", "airport", "hotel", "passport", "luggage", "ticket", "beach", "city", "museum", "train", "journey", "visa", "itinerary", "map", "tourist", "destination"],
+        ["fly", "visit", "pack", "explore", "book", "wander"],
+        ["scenic", "cheap", "crowded", "exotic", "remote", "historic"],
     ),
     "music": (
-        "song guitar piano melody rhythm album concert band singer chord lyrics "
-        "drum playlist tempo orchestra harmony".split(),
-        "sing strum compose listen tune rehearse".split(),
-        "catchy loud acoustic melodic classical jazzy".split(),
+        ["song", "guitar", "piano", "melody", "rhythm", "album", "concert", "band", "singer", "chord", "lyrics", "drum", "playlist", "tempo", "orchestra", "harmony"],
+        ["sing", "strum", "compose", "listen", "tune", "rehearse"],
+        ["catchy", "loud", "acoustic", "melodic", "classical", "jazzy"],
     ),
     "sports": (
-        "team match goal coach player ball league stadium score referee "
-        "tournament training fans racket field medal".split(),
-        "kick throw win lose sprint tackle".split(),
-        "athletic competitive fast defensive olympic sporty".split(),
+        ["team", "match", "goal", "coach", "player", "ball", "league", "stadium", "score", "referee", "tournament", "training", "fans", "racket", "field", "medal"],
+        ["kick", "throw", "win", "lose", "sprint", "tackle"],
+        ["athletic", "competitive", "fast", "defensive", "olympic", "sporty"],
     ),
     "code": (
-        "function variable compiler bug loop array python server database "
-        "syntax library module test commit api debugger".split(),
-        "compile debug refactor deploy import iterate".split(),
-        "recursive binary async static buggy modular".split(),
+        ["function", "variable", "compiler", "bug", "loop", "array", "python", "server", "database", "syntax", "library", "module", "test", "commit", "api", "debugger"],
+        ["compile", "debug", "refactor", "deploy", "import", "iterate"],
+        ["recursive", "binary", "async", "static", "buggy", "modular"],
     ),
     "health": (
-        "sleep exercise diet doctor vitamin fever muscle heart stress water "
-        "protein symptom medicine nurse clinic posture".split(),
-        "rest stretch heal breathe recover hydrate".split(),
-        "healthy tired sore calm balanced chronic".split(),
+        ["sleep", "exercise", "diet", "doctor", "vitamin", "fever", "muscle", "heart", "stress", "water", "protein", "symptom", "medicine", "nurse", "clinic", "posture"],
+        ["rest", "stretch", "heal", "breathe", "recover", "hydrate"],
+        ["healthy", "tired", "sore", "calm", "balanced", "chronic"],
     ),
     "movies": (
-        "film movie actor director scene plot sequel cinema trailer genre "
-        "script character popcorn screen comedy drama".split(),
-        "watch stream binge premiere review rewatch".split(),
-        "thrilling funny animated dramatic scary cinematic".split(),
+        ["film", "movie", "actor", "director", "scene", "plot", "sequel", "cinema", "trailer", "genre", "script", "character", "popcorn", "screen", "comedy", "drama"],
+        ["watch", "stream", "binge", "premiere", "review", "rewatch"],
+        ["thrilling", "funny", "animated", "dramatic", "scary", "cinematic"],
     ),
 }
 TOPIC_NAMES: tuple[str, ...] = tuple(_TOPICS)
 
-_DET = "the a this that some your my our every each many most any these those their its no".split()
+_DET = ["the", "a", "this", "that", "some", "your", "my", "our", "every", "each", "many", "most", "any", "these", "those", "their", "its", "no"]
 _GEN_NOUN = (
-    "thing things way time people idea part place day week year kind lot problem "
-    "option choice reason plan step result friend home work".split()
+    ["thing", "things", "way", "time", "people", "idea", "part", "place", "day", "week", "year", "kind", "lot", "problem", "option", "choice", "reason", "plan", "step", "result", "friend", "home", "work"]
 )
 _GEN_VERB = (
-    "is are was can will helps makes takes needs gets feels seems works means has "
-    "goes keeps gives try use find change".split()
+    ["is", "are", "was", "can", "will", "helps", "makes", "takes", "needs", "gets", "feels", "seems", "works", "means", "has", "goes", "keeps", "gives", "try", "use", "find", "change"]
 )
 _GEN_ADJ = (
-    "good bad great new old big small best better simple hard easy important "
-    "different common popular nice useful main real usual".split()
+    ["good", "bad", "great", "new", "old", "big", "small", "best", "better", "simple", "hard", "easy", "important", "different", "common", "popular", "nice", "useful", "main", "real", "usual"]
 )
 _ADV = (
-    "usually generally often sometimes really maybe probably definitely always "
-    "never also however just very quite still actually typically".split()
+    ["usually", "generally", "often", "sometimes", "really", "maybe", "probably", "definitely", "always", "never", "also", "however", "just", "very", "quite", "still", "actually", "typically"]
 )
-_CONN = "and but or so because with in on for of to at from about when if then while after before by than into over".split()
+_CONN = ["and", "but", "or", "so", "because", "with", "in", "on", "for", "of", "to", "at", "from", "about", "when", "if", "then", "while", "after", "before", "by", "than", "into", "over"]
 _OPENER = (
-    "hi hello hey so ok please what how why when where which can could would should "
-    "do does tell me i you question help wondering curious know want need".split()
+    ["hi", "hello", "hey", "so", "ok", "please", "what", "how", "why", "when", "where", "which", "can", "could", "would", "should", "do", "does", "tell", "me", "i", "you", "question", "help", "wondering", "curious", "know", "want", "need"]
 )
 # Verbosity cue words, class 0 (short) .. class 3 (very long).
 _CUES = (
-    "briefly quick quickly short concise simply tldr shortly".split(),
-    "describe overview summarize outline sketch basics summary gist".split(),
-    "explain detail details thoroughly carefully deeply reasoning why".split(),
-    "everything comprehensive exhaustive complete guide elaborate thorough tutorial".split(),
+    ["briefly", "quick", "quickly", "short", "concise", "simply", "tldr", "shortly"],
+    ["describe", "overview", "summarize", "outline", "sketch", "basics", "summary", "gist"],
+    ["explain", "detail", "details", "thoroughly", "carefully", "deeply", "reasoning", "why"],
+    ["everything", "comprehensive", "exhaustive", "complete", "guide", "elaborate", "thorough", "tutorial"],
 )
-_TAIL = "please thanks now today again too here anyway".split()
+_TAIL = ["please", "thanks", "now", "today", "again", "too", "here", "anyway"]
 
 _OPEN_PHRASES = [
     "sure", "of course", "great question", "good question", "thank you for asking",
@@ -248,6 +246,7 @@ class GrammarConfig:
     # P(another exchange | e exchanges done), e = 1, 2, ...; max exchanges = len + 1.
     more_exchange_prob: tuple[float, ...] = (0.35, 0.3)
     unk_prob: float = 1e-4
+    noise_prob: float = 1e-4  # per state: derail into a turn's NOISE state
     leak_prob: float = 0.05
     zipf_exponent: float = 1.0
     words_per_class: int | None = None  # truncate every word list (tiny grammars)
@@ -255,26 +254,27 @@ class GrammarConfig:
     syntax: bool = True  # False: content = a single NOUN state
 
     @classmethod
-    def tiny(cls, seed: int = 0) -> "GrammarConfig":
+    def tiny(cls, seed: int = 0) -> GrammarConfig:
         """A ~15-word grammar with short conversations (mass > 99% within a few
         thousand strings); exercises every mechanism (topics, verbosity,
-        phrases, unk, a second exchange)."""
+        phrases, unk, noise, a second exchange)."""
         return cls(
             num_topics=2,
             seed=seed,
             verbosity_prior=(0.5, 0.5),
-            reply_body_means=(1.1, 1.5),
-            open_prob=(0.05, 0.1),
-            mid_prob=(0.05, 0.05),
-            close_prob=(0.05, 0.1),
-            user_open_prob=0.1,
+            reply_body_means=(1.05, 1.25),
+            open_prob=(0.02, 0.05),
+            mid_prob=(0.02, 0.02),
+            close_prob=(0.02, 0.05),
+            user_open_prob=0.05,
             user_open_mean=1.0,
-            user_body_mean=1.1,
-            user_tail_prob=0.05,
+            user_body_mean=1.05,
+            user_tail_prob=0.02,
             user_tail_mean=1.0,
             cue_reliability=0.9,
             more_exchange_prob=(0.01,),
             unk_prob=0.01,
+            noise_prob=2e-4,
             leak_prob=0.0,
             words_per_class=1,
             phrases_per_group=1,
@@ -315,6 +315,8 @@ class SyntheticChat:
             raise ValueError(f"num_topics must be in 1..{len(TOPIC_NAMES)}")
         if not 0.0 < c.unk_prob < 1.0:
             raise ValueError("unk_prob must be in (0, 1)")
+        if not 0.0 <= c.noise_prob < 1.0:
+            raise ValueError("noise_prob must be in [0, 1)")
         self.K, self.V = c.num_topics, V
         self.topics = list(TOPIC_NAMES[: c.num_topics])
         rng = np.random.default_rng(np.random.SeedSequence([c.seed, 0x5C4A7]))
@@ -377,8 +379,8 @@ class SyntheticChat:
         self.verbosity_cues = [list(x) for x in cues]
 
         # ---- local states ----------------------------------------------------
-        names = ["U_START", "U_OPEN"] + [f"U_{s}" for s in syn] + ["U_CUE", "U_TAIL", "A_MARK"]
-        names += [f"A_{s}" for s in syn]
+        names = ["U_START", "U_OPEN"] + [f"U_{s}" for s in syn] + ["U_CUE", "U_TAIL", "U_NOISE", "A_MARK"]
+        names += [f"A_{s}" for s in syn] + ["A_NOISE"]
         phrase_states: dict[str, list[list[int]]] = {}
         for g in ("open", "mid", "close"):
             phrase_states[g] = []
@@ -422,8 +424,8 @@ class SyntheticChat:
                 if s not in cat_index:
                     content[k, j] = gen_d[s]
                     continue
-                others = [topic_lists[o][cat_index[s]] for o in range(self.K) if o != k]
-                leak = dist(sum(others, []), np.full(sum(map(len, others)), 1.0 / max(1, sum(map(len, others)))))
+                others = [w for o in range(self.K) if o != k for w in topic_lists[o][cat_index[s]]]
+                leak = dist(others, np.full(len(others), 1.0 / max(1, len(others))))
                 share = _TOPIC_SHARE[s]
                 content[k, j] = mix([(share, topic_d[k][s]),
                                      (1.0 - share - c.leak_prob, gen_d[s]),
@@ -434,6 +436,10 @@ class SyntheticChat:
         E[:, :, sid["U_OPEN"]] = dist(opener)
         tail_d = dist(tail)
         E[:, :, sid["U_TAIL"]] = tail_d
+        noise_words = [w for w in vocab if w not in (UNK, USER, ASSISTANT)]
+        noise_d = dist(noise_words, np.full(len(noise_words), 1.0 / len(noise_words)))
+        E[:, :, sid["U_NOISE"]] = noise_d
+        E[:, :, sid["A_NOISE"]] = noise_d
         for v in range(V):
             E[:, v, sid["U_CUE"]] = mix([(c.cue_reliability, dist(cues[v])),
                                          (1.0 - c.cue_reliability, tail_d)])
@@ -492,7 +498,7 @@ class SyntheticChat:
             for s, p in entry.items():
                 T[v, sid["A_MARK"], sid[f"A_{s}"]] += (1 - o) * p
             for idx in phrase_states["open"] + phrase_states["mid"]:
-                for a, b in zip(idx[:-1], idx[1:]):
+                for a, b in itertools.pairwise(idx):
                     T[v, a, b] = 1.0
                 for s, p in entry.items():
                     T[v, idx[-1], sid[f"A_{s}"]] += p
@@ -507,9 +513,32 @@ class SyntheticChat:
                 to_phrases(v, r, "close", (1 - q) * z)
                 eot[v, r] = (1 - q) * (1 - z)
             for idx in phrase_states["close"]:
-                for a, b in zip(idx[:-1], idx[1:]):
+                for a, b in itertools.pairwise(idx):
                     T[v, a, b] = 1.0
                 eot[v, idx[-1]] = 1.0
+        # Noise: every state of a turn may derail (prob noise_prob) into the
+        # turn's NOISE state, which emits any non-marker word uniformly and then
+        # stays, rejoins the content syntax, or ends the turn. This gives every
+        # text with a valid marker skeleton a finite probability.
+        nu = c.noise_prob
+        user_role = [i for i, n in enumerate(names) if n.startswith("U_")]
+        asst_role = [i for i in range(R) if i not in user_role]
+        for v in range(V):
+            for role, noise in ((user_role, sid["U_NOISE"]), (asst_role, sid["A_NOISE"])):
+                for r in role:
+                    if r != noise:
+                        T[v, r] *= 1.0 - nu
+                        eot[v, r] *= 1.0 - nu
+                        T[v, r, noise] += nu
+            for pre, exit_to in (("U", sid["A_MARK"]), ("A", None)):
+                r = sid[f"{pre}_NOISE"]
+                T[v, r, r] = 0.5
+                for s_, p in entry.items():
+                    T[v, r, sid[f"{pre}_{s_}"]] += 0.3 * p
+                if exit_to is None:
+                    eot[v, r] = 0.2
+                else:
+                    T[v, r, exit_to] += 0.2
         assert np.allclose(T.sum(-1) + eot, 1.0)
         assert np.all(T[:, :, self.start_state] == 0.0)
         self.trans, self.eot = T, eot  # [V, R, R], [V, R]
@@ -675,7 +704,7 @@ class SyntheticChat:
         """Forward pass over one batch of texts, sparse in the state.
 
         After a known word w only the flat states in support(w) are alive
-        (<= 24 of V*R), so a step is a batched ``[M_t, M_{t-1}] @ [M_{t-1}, K]``
+        (<= 32 of V*R), so a step is a batched ``[M_t, M_{t-1}] @ [M_{t-1}, K]``
         product. ``<unk>`` (emitted by every content state with probability
         ``unk_prob``) is not expanded: a run of ``u`` unknown words is folded
         into the next transition as ``unk_prob^u (Tf D)^u Tf`` (D = content
@@ -794,7 +823,7 @@ class SyntheticChat:
                 for v2 in range(V):
                     trans[i, index[(k, e + 1, v2, u)]] += self.eot[v, r] * pm * self.verbosity_prior[v2]
             final[i] = self.eot[v, r] * (1.0 - pm)
-        return dict(init=init, trans=trans, final=final, emit=emit, states=states)
+        return {"init": init, "trans": trans, "final": final, "emit": emit, "states": states}
 
     # --------------------------------------------------------------- sampling
     def _tables(self):
@@ -817,7 +846,7 @@ class SyntheticChat:
         if topics is None:
             allowed = np.arange(K)
         else:
-            allowed = np.asarray(sorted(set(int(t) for t in topics)), np.int64)
+            allowed = np.asarray(sorted({int(t) for t in topics}), np.int64)
             if allowed.size == 0 or allowed.min() < 0 or allowed.max() >= K:
                 raise ValueError(f"topics must be a non-empty subset of range({K})")
         prior = self.topic_prior[allowed] / self.topic_prior[allowed].sum()
@@ -886,10 +915,10 @@ class SyntheticChat:
             except ValueError:
                 b = len(words)
             vbs = [int(x) for x in vb if x >= 0]
-            out.append(dict(
-                text=" ".join(words), topic=int(k), topic_name=self.topics[int(k)],
-                verbosity=vbs[0], verbosities=vbs, num_exchanges=len(vbs),
-                prompt=" ".join(words[: a + 1]), reply=" ".join(words[a + 1 : b]),
-                reply_len=b - a - 1,
-            ))
+            out.append({
+                "text": " ".join(words), "topic": int(k), "topic_name": self.topics[int(k)],
+                "verbosity": vbs[0], "verbosities": vbs, "num_exchanges": len(vbs),
+                "prompt": " ".join(words[: a + 1]), "reply": " ".join(words[a + 1 : b]),
+                "reply_len": b - a - 1,
+            })
         return out
