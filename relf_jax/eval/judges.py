@@ -23,12 +23,25 @@ class ExactJudge:
 
     A complete text (the sample ended with EOS) is scored with the end-of-conversation event;
     a cut-off text as a prefix. Scored tokens: the text's words (+1 for the end event).
+
+    The grammar gives probability 0 to texts whose turn markers are out of place (a reply
+    that does not start with ``<user>``, an empty turn), which would make one bad sample's
+    gen PPL infinite. So the judge is the mixture ``(1 - w) * grammar + w * background``, with
+    `background` a uniform distribution over the grammar's words and a geometric length
+    (mean `background_mean_len`), and ``w = background_weight`` (default 1e-3; 0 gives the bare
+    grammar). A valid text loses at most -log(1 - w) ~ 1e-3 nats; an impossible text costs
+    about log(|vocab|) nats per word plus log(1/w). Both parts are exact, so the judge is too.
     """
 
     name = "exact"
 
-    def __init__(self, grammar):
+    def __init__(self, grammar, background_weight: float = 1e-3, background_mean_len: float = 64.0):
+        if not 0 <= background_weight < 1:
+            raise ValueError("background_weight must be in [0, 1)")
         self.grammar = grammar
+        self.background_weight = background_weight
+        self._stop = 1.0 / (background_mean_len + 1.0)
+        self._word_logp = np.log((1.0 - self._stop) / len(grammar.vocab))
 
     def tokenize(self, text: str) -> list[str]:
         return text.split()
@@ -45,6 +58,12 @@ class ExactJudge:
             sub = [texts[i] for i in idx]
             logp[idx] = self.grammar.log_prob(sub, prefix=not flag)
             n[idx] = self.grammar.num_words(sub, prefix=not flag)
+        w = self.background_weight
+        if w > 0:
+            words = np.asarray([len(t.split()) for t in texts], np.float64)
+            background = words * self._word_logp + np.where(complete, np.log(self._stop), 0.0)
+            with np.errstate(divide="ignore"):
+                logp = np.logaddexp(np.log1p(-w) + logp, np.log(w) + background)
         return logp, n
 
 
