@@ -105,3 +105,12 @@ def test_bad_sampling_inputs():
         ar.SamplingParams.make(1.0, -2, 1.0)
     with pytest.raises(UserError, match="exceeds the model context"):
         ar.check_context(100, 50, 128)
+
+
+def test_per_row_settings_equal_separate_rows():
+    logits = jax.random.normal(jax.random.key(3), (3, 40)) * 2
+    temps, ks, ps = jnp.asarray([0.0, 0.8, 1.2]), jnp.asarray([0, 5, 0]), jnp.asarray([1.0, 1.0, 0.7])
+    together = processors.log_probs(logits, temps, ks, ps)
+    for r in range(3):
+        alone = processors.log_probs(logits[r], float(temps[r]), int(ks[r]), float(ps[r]))
+        np.testing.assert_allclose(together[r], alone, atol=1e-6)

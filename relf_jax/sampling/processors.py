@@ -15,37 +15,46 @@ NEG_INF = -jnp.inf
 def nucleus_mask(probs: jax.Array, top_p: jax.Array | float) -> jax.Array:
     """Top-p membership: x is kept iff the mass of tokens strictly more probable than x is < top_p.
 
-    probs: [..., V] float32 (normalised). Returns bool [..., V]. Ties with the least probable
+    probs: [..., V] float32 (normalised); top_p: a scalar or one value per row [...]. Returns bool [..., V]. Ties with the least probable
     kept token are all kept; top_p >= 1 keeps every token with non-zero probability.
     """
     probs = probs.astype(jnp.float32)
+    top_p = jnp.expand_dims(jnp.asarray(top_p, jnp.float32), -1)  # scalar or per row [...]
     p_sorted = -jnp.sort(-probs, axis=-1)
     mass_before = jnp.cumsum(p_sorted, axis=-1) - p_sorted  # exclusive cumulative sum
     n_keep = jnp.maximum(jnp.sum(mass_before < top_p, axis=-1, keepdims=True), 1)
     threshold = jnp.take_along_axis(p_sorted, n_keep - 1, axis=-1)
     keep = probs >= threshold
-    return jnp.where(jnp.asarray(top_p) >= 1.0, probs > 0, keep)
+    return jnp.where(top_p >= 1.0, probs > 0, keep)
 
 
 def log_probs(logits: jax.Array, temperature: jax.Array | float = 1.0, top_k: jax.Array | int = 0,
               top_p: jax.Array | float = 1.0) -> jax.Array:
     """Normalised float32 log-probabilities after temperature, then top-k, then top-p.
 
-    logits: [..., V]. temperature 0 gives the one-hot argmax distribution (greedy); top_k 0
+    logits: [..., V]; each setting is a scalar or one value per row [...]. temperature 0 gives the one-hot argmax distribution (greedy); top_k 0
     and top_p 1 disable those filters. Settings may be traced scalars (no recompilation when
     they change). Removed tokens get -inf.
     """
     logits = logits.astype(jnp.float32)
     temperature = jnp.asarray(temperature, jnp.float32)
-    greedy = temperature <= 0
-    scaled = logits / jnp.where(greedy, 1.0, temperature)
+    greedy = (temperature <= 0)[..., None]
+    scaled = logits / jnp.where(greedy, 1.0, temperature[..., None])
     v = logits.shape[-1]
     k = jnp.asarray(top_k, jnp.int32)
-    kth_index = jnp.broadcast_to(jnp.clip(k - 1, 0, v - 1), scaled.shape[:-1] + (1,))
-    kth = jnp.take_along_axis(-jnp.sort(-scaled, axis=-1), kth_index, axis=-1)
-    scaled = jnp.where((k > 0) & (scaled < kth), NEG_INF, scaled)
-    probs = jax.nn.softmax(scaled, axis=-1)
-    scaled = jnp.where(nucleus_mask(probs, top_p), scaled, NEG_INF)
+    top_p = jnp.asarray(top_p, jnp.float32)
+
+    def keep_top_k(x):
+        kth_index = jnp.broadcast_to(jnp.clip(k - 1, 0, v - 1)[..., None], x.shape[:-1] + (1,))
+        kth = jnp.take_along_axis(-jnp.sort(-x, axis=-1), kth_index, axis=-1)
+        return jnp.where((k[..., None] > 0) & (x < kth), NEG_INF, x)
+
+    def keep_nucleus(x):
+        return jnp.where(nucleus_mask(jax.nn.softmax(x, axis=-1), top_p), x, NEG_INF)
+
+    # Sorting is costly on CPU: skip a filter when no row uses it (settings may be per row).
+    scaled = jax.lax.cond(jnp.any(k > 0), keep_top_k, lambda x: x, scaled)
+    scaled = jax.lax.cond(jnp.any(top_p < 1.0), keep_nucleus, lambda x: x, scaled)
     out = jax.nn.log_softmax(scaled, axis=-1)
     one_hot = jnp.where(jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.bool_), 0.0, NEG_INF)
     return jnp.where(greedy, one_hot, out)
