@@ -5,6 +5,8 @@ Parses arguments and calls library functions; holds no method. Config overrides 
 
     relf-jax train --preset tiny --workdir runs/tiny train.steps=200
     relf-jax sample --workdir runs/tiny --prompt "<user> how is the weather <assistant>"
+    relf-jax train-draft target=runs/tiny
+    relf-jax sample --workdir runs/tiny speculative.rule=nsd speculative.k=4 draft=runs/tiny/draft
     relf-jax eval --workdir runs/tiny
     relf-jax demo --quick
     relf-jax info
@@ -29,6 +31,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--preset", default="cpu")
     t.add_argument("--workdir", default=None, help="run directory (default runs/<preset>)")
 
+    td = sub.add_parser("train-draft", help="distil a small draft model from a trained target")
+    td.add_argument("--target", default=None, help="the target's run directory (or target=DIR)")
+    td.add_argument("--workdir", default=None, help="where the draft goes (default <target>/draft)")
+
     s = sub.add_parser("sample", help="sample from a trained checkpoint")
     s.add_argument("--workdir", required=True)
     s.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
@@ -44,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--workdir", default=None)
 
     sub.add_parser("info", help="devices, mesh and versions")
-    for sp in (t, s, e, d):
+    for sp in (t, td, s, e, d):
         sp.add_argument("overrides", nargs="*", help="config overrides key=value")
     return p
 
@@ -84,6 +90,20 @@ def _run(args) -> int:
         print(json.dumps({"workdir": res.workdir, "step": res.step, "loss": res.loss, "eval_loss": res.eval_loss,
                           "resumed_from": res.resumed_from}))
         return 0
+    if args.command == "train-draft":
+        target = args.target
+        rest = []
+        for item in args.overrides:
+            if item.startswith("target="):
+                target = item.split("=", 1)[1]
+            else:
+                rest.append(item)
+        if not target:
+            from relf_jax.config import ConfigError
+            raise ConfigError("train-draft needs the target run: --target DIR or target=DIR")
+        res = workflows.train_draft(target, rest, args.workdir)
+        print(json.dumps({"workdir": res.workdir, "step": res.step, "loss": res.loss, "eval_loss": res.eval_loss}))
+        return 0
     lm = workflows.load_model(args.workdir, "ar")
     cfg = lm.cfg
     for item in args.overrides:
@@ -91,9 +111,9 @@ def _run(args) -> int:
             from relf_jax.config import ConfigError
             raise ConfigError(f"override {item!r} is not of the form key=value")
         key, value = item.split("=", 1)
-        if not key.startswith("sample."):
+        if not key.startswith(("sample.", "speculative.", "draft")):
             from relf_jax.config import ConfigError
-            raise ConfigError(f"{args.command} takes only sample.* overrides, got {key!r}")
+            raise ConfigError(f"{args.command} takes only sample.*, speculative.* and draft= overrides, got {key!r}")
         cfg = set_value(cfg, key, value)
     cfg.validate()
     if args.command == "sample":
@@ -103,10 +123,12 @@ def _run(args) -> int:
                     print(piece, end="", flush=True)
                 print()
             return 0
-        s = workflows.sample(lm, prompts=args.prompt, sample_cfg=cfg.sample, warmup=False)
+        s = workflows.sample(lm, prompts=args.prompt, sample_cfg=cfg.sample, warmup=False,
+                             speculative=cfg.speculative)
         for text in s.texts:
             print(text)
-        print(f"[{s.tokens} tokens, {s.tokens_per_s:,.1f} tokens/s]", file=sys.stderr)
+        print(f"[{s.tokens} tokens, {s.tokens_per_s:,.1f} tokens/s, {s.tau:.2f} tokens per target forward]",
+              file=sys.stderr)
         return 0
     if args.command == "eval":
         judge = workflows.exact_judge(cfg) if args.judge == "exact" else workflows.model_judge(args.judge)

@@ -102,6 +102,18 @@ class SampleConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding at sampling time. rule "none" samples autoregressively."""
+
+    rule: Literal["none", "standard", "nsd", "greedy"] = "none"
+    k: int = 4
+    proposer: Literal["draft", "prompt_lookup"] = "draft"
+    nsd_top_p: float = 0.9
+    ngram: int = 3
+    draft: str = ""  # draft run directory; empty: <workdir>/draft
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Device mesh. -1 on one axis means: all the devices the other axes leave."""
 
@@ -119,6 +131,7 @@ class Config:
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     sample: SampleConfig = SampleConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     mesh: MeshConfig = MeshConfig()
 
     def validate(self) -> "Config":
@@ -145,6 +158,10 @@ class Config:
         validate_sampling(s.temperature, s.top_k, s.top_p)
         _check(s.num_samples > 0 and s.batch_size > 0 and s.max_new_tokens > 0,
                "sample.num_samples, sample.batch_size and sample.max_new_tokens must be > 0")
+        sp = self.speculative
+        _check(sp.k >= 1, f"speculative.k must be >= 1, got {sp.k}")
+        _check(0 < sp.nsd_top_p <= 1, f"speculative.nsd_top_p must be in (0, 1], got {sp.nsd_top_p}")
+        _check(sp.ngram >= 1, f"speculative.ngram must be >= 1, got {sp.ngram}")
         for name in ("data", "fsdp", "tensor"):
             v = getattr(self.mesh, name)
             _check(v == -1 or v > 0, f"mesh.{name} must be -1 or > 0, got {v}")
@@ -215,7 +232,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 # Short spellings accepted on the command line.
-ALIASES = {"model": "model.family"}
+ALIASES = {"model": "model.family", "draft": "speculative.draft"}
 
 
 def make_config(preset: str = "cpu", overrides: Optional[list[str] | dict[str, Any]] = None,

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from relf_jax.checkpoint import Checkpointer, tokenizer_bytes_from_meta
-from relf_jax.config import Config, ModelConfig, SampleConfig, validate_sampling
+from relf_jax.config import Config, ModelConfig, SampleConfig, SpeculativeConfig, validate_sampling
 from relf_jax.data import pipeline, sources
 from relf_jax.data.tokenizer import Tokenizer, train_tokenizer
 from relf_jax.errors import UserError
@@ -40,9 +40,11 @@ def data_dir(cfg: Config) -> str:
     return os.path.join(os.path.abspath(cfg.workdir), "data")
 
 
-def prepare_data(cfg: Config):
-    """Prepare the configured source (cached under ``<workdir>/data``); return the TFDS builder."""
+def prepare_data(cfg: Config, root: Optional[str] = None):
+    """Prepare the configured source (cached under ``<root or workdir>/data``); return the TFDS builder."""
     d = cfg.data
+    if root is not None:
+        cfg = dataclasses.replace(cfg, workdir=root)
     if d.source == "synthetic_chat":
         topics = tuple(int(t) for t in d.topics.split(",") if t.strip()) or None
         return sources.prepare("synthetic_chat", data_dir(cfg), num_train=d.num_train,
@@ -81,6 +83,50 @@ def train_lm(cfg: Config, *, mesh=None) -> TrainResult:
     return train(cfg, model_cfg, next_token_loss, data, eval_data=evals,
                  workdir=os.path.join(cfg.workdir, model_cfg.family), mesh=mesh,
                  tokenizer_bytes=tok.to_bytes())
+
+
+def draft_defaults(target: ModelConfig) -> list[str]:
+    """A draft about 4-8x cheaper than `target`: half the width, half the layers."""
+    heads = max(1, target.num_heads // 2)
+    kv = max(1, min(target.num_kv_heads, heads))
+    while heads % kv:
+        kv -= 1
+    return [f"model.d_model={max(16, target.d_model // 2)}", f"model.num_layers={max(1, target.num_layers // 2)}",
+            f"model.num_heads={heads}", f"model.num_kv_heads={kv}", f"model.mlp_dim={max(32, target.mlp_dim // 2)}",
+            "model.head_dim=0"]
+
+
+def train_draft(target_dir: str, overrides: Sequence[str] = (), workdir: Optional[str] = None,
+                *, mesh=None) -> TrainResult:
+    """Distil a small AR draft from the target in `target_dir` (same tokenizer and data).
+
+    The draft's shape defaults to `draft_defaults(target)`; `overrides` (``model.*``, ``train.*``)
+    change it. It is saved in `workdir` (default ``<target_dir>/draft``).
+    """
+    from relf_jax.config import set_value
+    from relf_jax.speculative.distill import make_distill_loss
+
+    target = load_model(target_dir, "ar")
+    workdir = workdir or os.path.join(target_dir, "draft")
+    cfg = dataclasses.replace(target.cfg, workdir=workdir)
+    for item in [*draft_defaults(target.model_cfg), *overrides]:
+        if "=" not in item:
+            raise UserError(f"override {item!r} is not of the form key=value")
+        key, value = item.split("=", 1)
+        cfg = set_value(cfg, key, value)
+    cfg = cfg.validate()
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=target.tokenizer.vocab_size,
+                                    max_seq_len=target.model_cfg.max_seq_len)
+    cfg = dataclasses.replace(cfg, model=model_cfg)
+    builder = prepare_data(target.cfg, root=target_dir)
+    d, t = cfg.data, cfg.train
+    data = pipeline.make_iterator(builder, "train", target.tokenizer, seq_len=d.seq_len, batch_size=t.batch_size,
+                                  seed=t.seed + 1)
+    evals = pipeline.eval_batches(builder, "validation", target.tokenizer, seq_len=d.seq_len,
+                                  batch_size=t.batch_size, max_batches=t.eval_batches)
+    return train(cfg, model_cfg, make_distill_loss(target.graphdef), data, eval_data=evals, workdir=workdir,
+                 mesh=mesh, tokenizer_bytes=target.tokenizer.to_bytes(), frozen=target.params,
+                 extra_meta={"role": "draft", "target": os.path.abspath(target_dir)})
 
 
 @dataclasses.dataclass
@@ -132,10 +178,16 @@ class Samples:
     complete: list[bool]  # reply ended with EOS
     seconds: float  # decode wall time, compilation excluded
     tokens: int  # generated tokens (EOS included)
+    target_forwards: int = 0  # target forward passes (AR: one per token)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / max(self.seconds, 1e-9)
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target forward pass (1 for AR decoding)."""
+        return self.tokens / max(self.target_forwards, 1)
 
 
 def encode_prompt(tok: Tokenizer, prompt: str) -> list[int]:
@@ -143,12 +195,53 @@ def encode_prompt(tok: Tokenizer, prompt: str) -> list[int]:
     return [tok.bos_id] + (tok.encode(prompt) if prompt else [])
 
 
+def _ar_batch(lm: LoadedModel, sc: SampleConfig):
+    settings = ar.DecodeSettings(max_new_tokens=sc.max_new_tokens, eos_id=lm.tokenizer.eos_id,
+                                 pad_id=lm.tokenizer.pad_id)
+    params = ar.SamplingParams.make(sc.temperature, sc.top_k, sc.top_p)
+
+    def run(arr, lens, key):
+        state = ar.generate(lm.graphdef, lm.params, arr, lens, key, params, settings)
+        return state.tokens, state.lengths, state
+
+    return run
+
+
+def _spec_batch(lm: LoadedModel, sc: SampleConfig, spc: SpeculativeConfig, draft: Optional[LoadedModel]):
+    from relf_jax.speculative import generate as spec
+
+    settings = spec.SpecSettings(k=spc.k, rule=spc.rule, proposer=spc.proposer, max_new_tokens=sc.max_new_tokens,
+                                 eos_id=lm.tokenizer.eos_id, pad_id=lm.tokenizer.pad_id, ngram=spc.ngram,
+                                 top_k=sc.top_k)
+    params = spec.SpecParams.make(sc.temperature, sc.top_p, spc.nsd_top_p)
+
+    def run(arr, lens, key):
+        state = spec.generate(lm.graphdef, lm.params, arr, lens, key, params, settings,
+                              draft_graphdef=draft.graphdef if draft else None,
+                              draft_params=draft.params if draft else None)
+        return state.tokens, state.lengths, state
+
+    return run
+
+
+def load_draft(lm: LoadedModel, spc: SpeculativeConfig, workdir: Optional[str] = None) -> LoadedModel:
+    """The draft model for speculative decoding: `spc.draft` or ``<workdir>/draft``."""
+    path = spc.draft or os.path.join(workdir or lm.cfg.workdir, "draft")
+    draft = load_model(path, "ar")
+    if draft.tokenizer.to_bytes() != lm.tokenizer.to_bytes():
+        raise UserError(f"the draft in {path} uses another tokenizer than the target")
+    return draft
+
+
 def sample(lm: LoadedModel, prompts: Optional[Sequence[str]] = None, n: Optional[int] = None,
-           sample_cfg: Optional[SampleConfig] = None, warmup: bool = True) -> Samples:
-    """Sample replies with the jitted while_loop sampler, `batch_size` prompts at a time.
+           sample_cfg: Optional[SampleConfig] = None, warmup: bool = True,
+           speculative: Optional[SpeculativeConfig] = None, draft: Optional[LoadedModel] = None) -> Samples:
+    """Sample replies, `batch_size` prompts at a time, autoregressively or speculatively.
 
     prompts: texts to continue (default: `n` empty prompts, i.e. unconditional conversations).
-    With `warmup`, the first batch shape is compiled before the clock starts.
+    speculative: a `SpeculativeConfig` with rule != "none" decodes with a draft model (`draft`,
+    for proposer "draft") or prompt lookup. With `warmup`, the batch shape is compiled before
+    the clock starts.
     """
     sc = sample_cfg or lm.cfg.sample
     validate_sampling(sc.temperature, sc.top_k, sc.top_p)
@@ -156,36 +249,44 @@ def sample(lm: LoadedModel, prompts: Optional[Sequence[str]] = None, n: Optional
     prompts = list(prompts) if prompts is not None else [""] * n
     if not prompts:
         raise UserError("no prompts to sample from")
+    spc = speculative if speculative is not None else lm.cfg.speculative
+    use_spec = spc.rule != "none"
+    if use_spec and spc.proposer == "draft" and draft is None:
+        draft = load_draft(lm, spc)
     tok = lm.tokenizer
     ids = [encode_prompt(tok, p) for p in prompts]
     longest = max(len(x) for x in ids)
-    bucket = ar.prompt_bucket(longest)
-    ar.check_context(longest, sc.max_new_tokens, lm.model_cfg.max_seq_len)
-    bucket = min(bucket, lm.model_cfg.max_seq_len - sc.max_new_tokens)
-    settings = ar.DecodeSettings(max_new_tokens=sc.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id)
-    params = ar.SamplingParams.make(sc.temperature, sc.top_k, sc.top_p)
+    extra = spc.k + 1 if use_spec else 0
+    ar.check_context(longest, sc.max_new_tokens + extra, lm.model_cfg.max_seq_len)
+    bucket = min(ar.prompt_bucket(longest), lm.model_cfg.max_seq_len - sc.max_new_tokens - extra)
+    run = _spec_batch(lm, sc, spc, draft) if use_spec else _ar_batch(lm, sc)
     bs = sc.batch_size
     key = jax.random.key(sc.seed)
-    texts, token_ids, complete, seconds, total = [], [], [], 0.0, 0
+    texts, token_ids, complete, seconds, total, forwards = [], [], [], 0.0, 0, 0
     for start in range(0, len(ids), bs):
         chunk = ids[start:start + bs]
         rows = chunk + [[tok.bos_id]] * (bs - len(chunk))  # fixed batch shape: one compilation
         arr, lens = ar.pad_prompts(rows, tok.pad_id, bucket)
         key, sub = jax.random.split(key)
         if warmup and start == 0:
-            jax.block_until_ready(ar.generate(lm.graphdef, lm.params, arr, lens, sub, params, settings).tokens)
+            jax.block_until_ready(run(arr, lens, sub)[0])
         t0 = time.perf_counter()
-        state = ar.generate(lm.graphdef, lm.params, arr, lens, sub, params, settings)
-        jax.block_until_ready(state.tokens)
+        out_tokens, out_lengths, state = run(arr, lens, sub)
+        jax.block_until_ready(out_tokens)
         seconds += time.perf_counter() - t0
-        for reply in ar.replies(state, lens)[:len(chunk)]:
+        toks, lengths, plens = np.asarray(out_tokens), np.asarray(out_lengths), np.asarray(lens)
+        if use_spec:
+            forwards += int(np.asarray(state.target_forwards)[:len(chunk)].sum())
+        for i in range(len(chunk)):
+            reply = toks[i, plens[i]:lengths[i]].tolist()
             total += len(reply)
             done = bool(reply) and reply[-1] == tok.eos_id
             body = reply[:-1] if done else reply
             token_ids.append(body)
             complete.append(done)
             texts.append(tok.decode(body))
-    return Samples(texts=texts, token_ids=token_ids, complete=complete, seconds=seconds, tokens=total)
+    return Samples(texts=texts, token_ids=token_ids, complete=complete, seconds=seconds, tokens=total,
+                   target_forwards=forwards if use_spec else total)
 
 
 def stream_reply(lm: LoadedModel, prompt: str, sample_cfg: Optional[SampleConfig] = None):

@@ -98,13 +98,20 @@ def init_state(plan: ShardedState, model_cfg: ModelConfig, key: jax.Array):
         return jax.jit(init, out_shardings=(plan.param_shardings, plan.opt_shardings))(key)
 
 
-def make_train_step(plan: ShardedState, loss_fn: LossFn, grad_accum: int, batch_shardings: Any):
-    """The jitted step: (params, opt_state, batch, key) -> (params, opt_state, metrics)."""
+def make_train_step(plan: ShardedState, loss_fn: LossFn, grad_accum: int, batch_shardings: Any,
+                    frozen_shardings: Any = None):
+    """The jitted step: (params, opt_state, batch, key, frozen) -> (params, opt_state, metrics).
+
+    `frozen` is an optional pytree the loss reads but does not train (e.g. a distillation
+    teacher's parameters); it is an argument, never a closure, so it is not baked into the
+    compiled program.
+    """
     graphdef, tx = plan.graphdef, plan.tx
 
-    def step(params, opt_state, batch, key):
+    def step(params, opt_state, batch, key, frozen):
         def micro_loss(p, mb, k):
-            return loss_fn(nnx.merge(graphdef, p), mb, k)
+            model = nnx.merge(graphdef, p)
+            return loss_fn(model, mb, k) if frozen is None else loss_fn(model, mb, k, frozen)
 
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
         if grad_accum == 1:
@@ -131,7 +138,7 @@ def make_train_step(plan: ShardedState, loss_fn: LossFn, grad_accum: int, batch_
         return params, opt_state, metrics
 
     return jax.jit(step,
-                   in_shardings=(plan.param_shardings, plan.opt_shardings, batch_shardings, None),
+                   in_shardings=(plan.param_shardings, plan.opt_shardings, batch_shardings, None, frozen_shardings),
                    out_shardings=(plan.param_shardings, plan.opt_shardings, None),
                    donate_argnums=(0, 1))
 
@@ -139,8 +146,10 @@ def make_train_step(plan: ShardedState, loss_fn: LossFn, grad_accum: int, batch_
 def make_eval_step(plan: ShardedState, loss_fn: LossFn):
     graphdef = plan.graphdef
 
-    def evaluate(params, batch):
-        loss, aux = loss_fn(nnx.merge(graphdef, params), batch, jax.random.key(0))
+    def evaluate(params, batch, frozen=None):
+        model = nnx.merge(graphdef, params)
+        key = jax.random.key(0)
+        loss, _ = loss_fn(model, batch, key) if frozen is None else loss_fn(model, batch, key, frozen)
         return loss
 
     return jax.jit(evaluate)
@@ -158,11 +167,13 @@ def put_batch(batch: dict, mesh) -> dict:
 def train(cfg: Config, model_cfg: ModelConfig, loss_fn: LossFn, data: Iterator[dict], *,
           eval_data: Iterable[dict] = (), workdir: Optional[str] = None, mesh=None,
           tokenizer_bytes: Optional[bytes] = None, extra_meta: Optional[dict] = None,
-          tensorboard: bool = True) -> TrainResult:
+          tensorboard: bool = True, frozen: Any = None) -> TrainResult:
     """Train `model_cfg` on `data` for ``cfg.train.steps`` steps, resuming from `workdir`.
 
     data: an iterator of numpy batches (grain iterators' ``get_state``/``set_state`` are used
     for checkpointing when present); eval_data: a few fixed batches for the eval loss.
+    frozen: optional untrained inputs of the loss (``loss_fn(model, batch, key, frozen)``),
+    e.g. a teacher's parameters; sharded by their logical axes like the parameters.
     """
     tc = cfg.train
     workdir = os.path.abspath(workdir or cfg.workdir)
@@ -199,6 +210,10 @@ def train(cfg: Config, model_cfg: ModelConfig, loss_fn: LossFn, data: Iterator[d
         batch_sh = None
         train_step = None
         eval_step = make_eval_step(plan, loss_fn)
+        frozen_sh = None
+        if frozen is not None:
+            frozen_sh = shd.state_shardings(frozen, mesh)
+            frozen = jax.device_put(frozen, frozen_sh)
         pbar = _progress(tc.progress, total=tc.steps, initial=step)
         pending: Optional[tuple[int, dict]] = None
         window_tokens, window_start = 0.0, time.perf_counter()
@@ -228,8 +243,9 @@ def train(cfg: Config, model_cfg: ModelConfig, loss_fn: LossFn, data: Iterator[d
                 batch = put_batch(np_batch, mesh)
                 if train_step is None:
                     batch_sh = jax.tree.map(lambda x: x.sharding, batch)
-                    train_step = make_train_step(plan, loss_fn, tc.grad_accum, batch_sh)
-                params, opt_state, metrics = train_step(params, opt_state, batch, jax.random.fold_in(rng, step))
+                    train_step = make_train_step(plan, loss_fn, tc.grad_accum, batch_sh, frozen_sh)
+                params, opt_state, metrics = train_step(params, opt_state, batch, jax.random.fold_in(rng, step),
+                                                        frozen)
                 step += 1
                 if pending is not None:
                     host = check(*pending)
@@ -247,7 +263,7 @@ def train(cfg: Config, model_cfg: ModelConfig, loss_fn: LossFn, data: Iterator[d
                 pbar.update(1)
                 if step % tc.eval_every == 0 or step == tc.steps:
                     if eval_batches:
-                        eval_loss = float(np.mean([float(eval_step(params, b)) for b in eval_batches]))
+                        eval_loss = float(np.mean([float(eval_step(params, b, frozen)) for b in eval_batches]))
                         writer.write(step, {"eval_loss": eval_loss})
                 if step % tc.checkpoint_every == 0 or step == tc.steps:
                     last_loss = check(*pending)["loss"]

@@ -20,6 +20,18 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
     return idx - first
 
 
+def lm_inputs(batch: dict, pad_id: int = 0):
+    """(inputs, positions, segment_ids, targets, mask) of a packed batch for next-token losses.
+
+    mask is 1 where the target is in the same document as its input and is not padding.
+    """
+    tokens, seg = batch["tokens"], batch["segment_ids"]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    in_seg, tgt_seg = seg[:, :-1], seg[:, 1:]
+    mask = ((in_seg == tgt_seg) & (targets != pad_id)).astype(jnp.float32)
+    return inputs, segment_positions(in_seg), in_seg, targets, mask
+
+
 def next_token_loss(model, batch: dict, key: jax.Array, pad_id: int = 0):
     """Mean next-token cross-entropy (nats) over targets inside the same document.
 
@@ -27,13 +39,10 @@ def next_token_loss(model, batch: dict, key: jax.Array, pad_id: int = 0):
     so training matches sampling from a BOS-started context.
     """
     del key
-    tokens, seg = batch["tokens"], batch["segment_ids"]
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    in_seg, tgt_seg = seg[:, :-1], seg[:, 1:]
-    logits, _ = model(inputs, segment_positions(in_seg), segment_ids=in_seg)
+    inputs, positions, seg, targets, mask = lm_inputs(batch, pad_id)
+    logits, _ = model(inputs, positions, segment_ids=seg)
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    mask = ((in_seg == tgt_seg) & (targets != pad_id)).astype(jnp.float32)
     n = jnp.maximum(mask.sum(), 1.0)
     loss = (nll * mask).sum() / n
     return loss, {"tokens": mask.sum()}

@@ -1,0 +1,276 @@
+"""Speculative generation: one jitted ``lax.while_loop`` over draft/verify rounds.
+
+Each round, for every row of the batch at once:
+
+1. the proposer drafts K tokens (a small AR draft model run as a ``lax.scan``, or prompt
+   lookup: copy what followed the latest earlier occurrence of the context's last n-gram);
+2. the target scores the last committed token and the K drafts in ONE forward pass
+   (K + 1 positions);
+3. `verify` (standard / NSD / greedy rule) keeps a prefix of n drafts and emits one more
+   token (the residual sample at the first rejection, or the bonus token);
+4. the row commits n + 1 tokens: its length grows by its own count.
+
+Caches are fixed-size and never rolled back by copying: a row's length is the truth. A query
+at position p sees cache slots 0..p only, so slots written for rejected drafts are masked and
+overwritten on the next round. The draft re-reads the last two committed tokens each round,
+which refreshes the one slot (the last draft token) it never wrote when all K were accepted.
+
+Static settings live on the frozen `SpecSettings`; sampling knobs are traced (`SpecParams`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from relf_jax.config import validate_sampling
+from relf_jax.errors import UserError
+from relf_jax.models.causal_lm import init_cache
+from relf_jax.sampling import processors
+from relf_jax.speculative.verify import RULES, verify
+
+PROPOSERS = ("draft", "prompt_lookup")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecSettings:
+    """Static settings of one compiled speculative sampler."""
+
+    k: int = 4
+    rule: str = "standard"
+    proposer: str = "draft"
+    max_new_tokens: int = 64
+    eos_id: int = 1
+    pad_id: int = 0
+    ngram: int = 3  # prompt lookup: longest n-gram to match
+    top_k: int = 0  # static: the verification kernel has no top-k, so it selects the code path
+    use_kernel: Optional[bool] = None
+
+    def __post_init__(self):
+        if self.k < 1:
+            raise UserError(f"speculative k must be >= 1, got {self.k}")
+        if self.rule not in RULES:
+            raise UserError(f"unknown verification rule {self.rule!r}; choose one of: {', '.join(RULES)}")
+        if self.top_k < 0:
+            raise UserError(f"top_k must be >= 0, got {self.top_k}")
+        if self.proposer not in PROPOSERS:
+            raise UserError(f"unknown proposer {self.proposer!r}; choose one of: {', '.join(PROPOSERS)}")
+
+
+@flax.struct.dataclass
+class SpecParams:
+    """Traced sampling knobs (top_k is static, on `SpecSettings`)."""
+
+    temperature: jax.Array
+    top_p: jax.Array
+    nsd_top_p: jax.Array
+
+    @classmethod
+    def make(cls, temperature=1.0, top_p=1.0, nsd_top_p=0.9) -> "SpecParams":
+        validate_sampling(temperature, 0, top_p)
+        if not 0 < nsd_top_p <= 1:
+            raise UserError(f"nsd_top_p must be in (0, 1], got {nsd_top_p}")
+        return cls(jnp.float32(temperature), jnp.float32(top_p), jnp.float32(nsd_top_p))
+
+
+@flax.struct.dataclass
+class SpecState:
+    tokens: jax.Array  # [B, S]
+    lengths: jax.Array  # [B] committed tokens per row
+    done: jax.Array  # [B]
+    num_generated: jax.Array  # [B]
+    target_cache: tuple
+    draft_cache: tuple  # () for prompt lookup
+    key: jax.Array
+    rounds: jax.Array  # scalar: rounds run
+    target_forwards: jax.Array  # [B] target forward passes while the row was active (prefill included)
+    accepted: jax.Array  # [B] accepted draft tokens
+    accepted_at: jax.Array  # [K] active rounds whose accepted prefix reached position i
+    active_rounds: jax.Array  # scalar: sum over rows of active rounds
+
+
+def _temperature(sp: SpecParams, settings: SpecSettings):
+    """The greedy rule emits argmax tokens only, so its first token and drafts are greedy too."""
+    return jnp.float32(0.0) if settings.rule == "greedy" else sp.temperature
+
+
+def _forward(graphdef, params, tokens, positions, cache, index):
+    return nnx.merge(graphdef, params)(tokens, positions, cache=cache, cache_index=index)
+
+
+def _take(tokens, positions):
+    return jnp.take_along_axis(tokens, jnp.clip(positions, 0, tokens.shape[1] - 1), axis=1)
+
+
+def _propose_draft(draft_graphdef, draft_params, state: SpecState, sp: SpecParams, settings: SpecSettings, key):
+    """K draft tokens and their logits [B, K], [B, K, V] from the draft model."""
+    lengths = state.lengths
+    pos2 = jnp.stack([lengths - 2, lengths - 1], axis=1)
+    logits, cache = _forward(draft_graphdef, draft_params, _take(state.tokens, pos2), pos2, state.draft_cache,
+                             lengths - 2)
+    first = logits[:, 1]
+    keys = jax.random.split(key, settings.k)
+
+    def draw(lg, k):
+        return processors.sample(lg, k, _temperature(sp, settings), settings.top_k, sp.top_p)
+
+    x1 = draw(first, keys[0])
+
+    def body(carry, i):
+        cache, prev_tok = carry
+        pos = (lengths + i - 1)[:, None]
+        lg, cache = _forward(draft_graphdef, draft_params, prev_tok[:, None], pos, cache, lengths + i - 1)
+        tok = draw(lg[:, 0], keys[i])
+        return (cache, tok), (tok, lg[:, 0])
+
+    if settings.k > 1:
+        (cache, _), (toks, lgs) = jax.lax.scan(body, (cache, x1), jnp.arange(1, settings.k))
+        draft_tokens = jnp.concatenate([x1[:, None], toks.T], axis=1)
+        draft_logits = jnp.concatenate([first[:, None], jnp.moveaxis(lgs, 0, 1)], axis=1)
+    else:
+        draft_tokens, draft_logits = x1[:, None], first[:, None]
+    return draft_tokens, draft_logits, cache
+
+
+def _propose_lookup(state: SpecState, settings: SpecSettings, vocab: int):
+    """Prompt lookup: copy the K tokens after the latest earlier match of the last n-gram.
+
+    Tries n = settings.ngram down to 1; with no match it proposes the last token again. The
+    proposal is deterministic, so its distribution q is one-hot.
+    """
+    tokens, lengths = state.tokens, state.lengths
+    b, s = tokens.shape
+    j = jnp.arange(s)[None, :]  # candidate end position of an earlier n-gram occurrence
+    best = jnp.full((b,), -1, jnp.int32)
+    for n in range(settings.ngram, 0, -1):
+        match = jnp.ones((b, s), bool)
+        for m in range(n):
+            suffix_tok = _take(tokens, (lengths - 1 - m)[:, None])  # [B, 1]
+            shifted = jnp.roll(tokens, m, axis=1)  # shifted[:, j] = tokens[:, j - m]
+            match &= (shifted == suffix_tok) & (j - m >= 0)
+        match &= (j >= n - 1) & (j < (lengths - 1)[:, None]) & (lengths[:, None] > n)
+        found = jnp.max(jnp.where(match, j, -1), axis=1)
+        best = jnp.where(best >= 0, best, found)
+    offsets = jnp.arange(1, settings.k + 1)[None, :]
+    src = jnp.where(best[:, None] >= 0, best[:, None] + offsets, (lengths - 1)[:, None])
+    src = jnp.minimum(src, (lengths - 1)[:, None])
+    draft_tokens = _take(tokens, src)
+    draft_logits = jnp.where(jax.nn.one_hot(draft_tokens, vocab, dtype=bool), 0.0, -jnp.inf)
+    return draft_tokens, draft_logits
+
+
+def _round(target_graphdef, target_params, draft_graphdef, draft_params, state: SpecState, sp: SpecParams,
+           settings: SpecSettings) -> SpecState:
+    k = settings.k
+    key, k_draft, k_verify = jax.random.split(state.key, 3)
+    lengths = state.lengths
+    if settings.proposer == "draft":
+        draft_tokens, draft_logits, draft_cache = _propose_draft(draft_graphdef, draft_params, state, sp, settings,
+                                                                 k_draft)
+    else:
+        vocab = nnx.merge(target_graphdef, target_params).cfg.vocab_size
+        draft_tokens, draft_logits = _propose_lookup(state, settings, vocab)
+        draft_cache = state.draft_cache
+    last = _take(state.tokens, (lengths - 1)[:, None])
+    feed = jnp.concatenate([last, draft_tokens], axis=1)  # [B, K+1]
+    positions = (lengths - 1)[:, None] + jnp.arange(k + 1)[None, :]
+    target_logits, target_cache = _forward(target_graphdef, target_params, feed, positions, state.target_cache,
+                                           lengths - 1)
+    res = verify(target_logits, draft_logits, draft_tokens, k_verify, rule=settings.rule,
+                 temperature=sp.temperature, top_k=settings.top_k, top_p=sp.top_p, nsd_top_p=sp.nsd_top_p,
+                 use_kernel=settings.use_kernel)
+    n = res.num_accepted
+    idx = jnp.arange(k + 1)[None, :]
+    cand = jnp.concatenate([draft_tokens, jnp.full_like(draft_tokens[:, :1], settings.pad_id)], axis=1)
+    cand = jnp.where(idx == n[:, None], res.next_token[:, None], cand)
+    count = n + 1
+    is_eos = (cand == settings.eos_id) & (idx < count[:, None])
+    first_eos = jnp.min(jnp.where(is_eos, idx, k + 1), axis=1)
+    count = jnp.minimum(count, first_eos + 1)
+    count = jnp.minimum(count, settings.max_new_tokens - state.num_generated)
+    active = ~state.done
+    count = jnp.where(active, count, 0)
+
+    def write(row, start, new, c):
+        old = jax.lax.dynamic_slice(row, (start,), (k + 1,))
+        return jax.lax.dynamic_update_slice(row, jnp.where(jnp.arange(k + 1) < c, new, old), (start,))
+
+    tokens = jax.vmap(write)(state.tokens, lengths, cand, count)
+    num_generated = state.num_generated + count
+    done = state.done | (active & (first_eos < count)) | (num_generated >= settings.max_new_tokens)
+    act = active.astype(jnp.int32)
+    accepted_at = state.accepted_at + jnp.sum((n[:, None] > jnp.arange(k)[None, :]) & active[:, None], axis=0)
+    return SpecState(tokens=tokens, lengths=lengths + count, done=done, num_generated=num_generated,
+                     target_cache=target_cache, draft_cache=draft_cache, key=key, rounds=state.rounds + 1,
+                     target_forwards=state.target_forwards + act,
+                     accepted=state.accepted + jnp.where(active, jnp.minimum(n, count), 0),
+                     accepted_at=accepted_at.astype(jnp.int32),
+                     active_rounds=state.active_rounds + jnp.sum(act))
+
+
+def _prefill(target_graphdef, target_params, draft_graphdef, draft_params, prompts, prompt_lengths, key,
+             sp: SpecParams, settings: SpecSettings) -> SpecState:
+    b, p = prompts.shape
+    total = p + settings.max_new_tokens + settings.k + 1
+    tcfg = nnx.merge(target_graphdef, target_params).cfg
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    zero = jnp.zeros((b,), jnp.int32)
+    logits, tcache = _forward(target_graphdef, target_params, prompts, positions, init_cache(tcfg, b, total), zero)
+    if settings.proposer == "draft":
+        dcfg = nnx.merge(draft_graphdef, draft_params).cfg
+        _, dcache = _forward(draft_graphdef, draft_params, prompts, positions, init_cache(dcfg, b, total), zero)
+    else:
+        dcache = ()
+    last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+    key, sub = jax.random.split(key)
+    tok = processors.sample(last, sub, _temperature(sp, settings), settings.top_k, sp.top_p)
+    tokens = jnp.full((b, total), settings.pad_id, jnp.int32).at[:, :p].set(prompts)
+    tokens = jax.vmap(lambda row, i, t: row.at[i].set(t))(tokens, prompt_lengths, tok)
+    done = (tok == settings.eos_id) | (settings.max_new_tokens <= 1)
+    return SpecState(tokens=tokens, lengths=prompt_lengths + 1, done=done, num_generated=jnp.ones((b,), jnp.int32),
+                     target_cache=tcache, draft_cache=dcache, key=key, rounds=jnp.int32(0),
+                     target_forwards=jnp.ones((b,), jnp.int32), accepted=jnp.zeros((b,), jnp.int32),
+                     accepted_at=jnp.zeros((settings.k,), jnp.int32), active_rounds=jnp.int32(0))
+
+
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "draft_graphdef", "settings"))
+def _generate(target_graphdef, target_params, draft_graphdef, draft_params, prompts, prompt_lengths, key, sp,
+              settings):
+    state = _prefill(target_graphdef, target_params, draft_graphdef, draft_params, prompts, prompt_lengths, key,
+                     sp, settings)
+    return jax.lax.while_loop(
+        lambda s: (s.rounds < settings.max_new_tokens) & ~jnp.all(s.done),
+        lambda s: _round(target_graphdef, target_params, draft_graphdef, draft_params, s, sp, settings),
+        state)
+
+
+def generate(target_graphdef, target_params, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array,
+             sp: SpecParams, settings: SpecSettings, draft_graphdef=None, draft_params=None) -> SpecState:
+    """Speculative sampling of up to ``settings.max_new_tokens`` tokens after each prompt.
+
+    prompts: [B, P] int32 left-aligned and padded; prompt_lengths: [B]. The draft model (same
+    tokenizer as the target) is needed for ``proposer="draft"``. Returns the final `SpecState`:
+    ``tokens[b, prompt_lengths[b]:lengths[b]]`` is row b's reply; `stats` summarises it.
+    """
+    if settings.proposer == "draft" and draft_graphdef is None:
+        raise UserError("proposer 'draft' needs a draft model (draft_graphdef, draft_params)")
+    return _generate(target_graphdef, target_params, draft_graphdef, draft_params, prompts, prompt_lengths, key,
+                     sp, settings)
+
+
+def stats(state: SpecState) -> dict:
+    """tau (tokens per target forward), acceptance rate per draft position, rounds."""
+    import numpy as np
+
+    gen = np.asarray(state.num_generated).sum()
+    fwd = np.asarray(state.target_forwards).sum()
+    act = max(int(state.active_rounds), 1)
+    return {"tau": float(gen / max(fwd, 1)), "tokens": int(gen), "target_forwards": int(fwd),
+            "rounds": int(state.rounds), "mean_accepted": float(np.asarray(state.accepted).sum() / act),
+            "acceptance_at": (np.asarray(state.accepted_at) / act).tolist()}

@@ -1,0 +1,91 @@
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from relf_jax.models import build_model
+from relf_jax.sampling import autoregressive as ar
+from relf_jax.speculative import generate as spec
+
+
+@pytest.fixture(scope="module")
+def draft_model(tiny_model_cfg):
+    cfg = dataclasses.replace(tiny_model_cfg, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, mlp_dim=32)
+    return nnx.split(build_model(cfg, nnx.Rngs(5)))
+
+
+PROMPTS = [[2, 5, 6, 7, 5, 6], [2, 9], [2, 3, 4, 5, 6, 7, 8, 3, 4]]
+
+
+def _ar_greedy(graphdef, params, max_new):
+    prompts, lens = ar.pad_prompts(PROMPTS)
+    state = ar.generate(graphdef, params, prompts, lens, jax.random.key(0), ar.SamplingParams.make(0.0),
+                        ar.DecodeSettings(max_new_tokens=max_new, eos_id=-1))
+    return ar.replies(state, lens)
+
+
+def _spec_replies(state, lens):
+    toks, lengths = np.asarray(state.tokens), np.asarray(state.lengths)
+    return [toks[i, int(lens[i]):int(lengths[i])].tolist() for i in range(toks.shape[0])]
+
+
+@pytest.mark.parametrize("rule, temperature, proposer", [
+    ("greedy", 1.0, "draft"), ("standard", 0.0, "draft"), ("nsd", 0.0, "draft"), ("greedy", 1.0, "prompt_lookup"),
+])
+def test_greedy_speculative_equals_greedy_ar(tiny_model, draft_model, rule, temperature, proposer):
+    tg, tp = tiny_model
+    dg, dp = draft_model
+    max_new = 12
+    expected = _ar_greedy(tg, tp, max_new)
+    prompts, lens = ar.pad_prompts(PROMPTS)
+    settings = spec.SpecSettings(k=3, rule=rule, proposer=proposer, max_new_tokens=max_new, eos_id=-1)
+    state = spec.generate(tg, tp, prompts, lens, jax.random.key(1), spec.SpecParams.make(temperature), settings,
+                          draft_graphdef=dg, draft_params=dp)
+    assert _spec_replies(state, lens) == expected
+    st = spec.stats(state)
+    assert st["tau"] >= 1.0 and st["tokens"] == max_new * len(PROMPTS)
+
+
+def test_self_draft_accepts_everything_and_rows_are_ragged(tiny_model, draft_model):
+    """Target as its own draft at T=1: every draft accepted (no collapse at T=1), tau = K+1."""
+    tg, tp = tiny_model
+    prompts, lens = ar.pad_prompts(PROMPTS)
+    settings = spec.SpecSettings(k=3, rule="standard", max_new_tokens=12, eos_id=-1)
+    state = spec.generate(tg, tp, prompts, lens, jax.random.key(2), spec.SpecParams.make(1.0), settings,
+                          draft_graphdef=tg, draft_params=tp)
+    st = spec.stats(state)
+    assert st["acceptance_at"] == [1.0, 1.0, 1.0]
+    # a different draft: rows accept different counts, each row's length is its own
+    dg, dp = draft_model
+    state = spec.generate(tg, tp, prompts, lens, jax.random.key(2), spec.SpecParams.make(1.0), settings,
+                          draft_graphdef=dg, draft_params=dp)
+    assert len(set(np.asarray(state.target_forwards).tolist())) > 1 or st["rounds"] > 0
+    assert np.all(np.asarray(state.num_generated) == 12)
+
+
+def test_compiles_once_per_shape(tiny_model, draft_model):
+    tg, tp = tiny_model
+    dg, dp = draft_model
+    settings = spec.SpecSettings(k=2, rule="nsd", max_new_tokens=6, eos_id=-1)
+    before = spec._generate._cache_size()
+    for seed, prompts in enumerate(([[2, 5], [2, 6, 7]], [[2, 8, 9, 10], [2, 11]])):
+        arr, lens = ar.pad_prompts(prompts)
+        spec.generate(tg, tp, arr, lens, jax.random.key(seed), spec.SpecParams.make(0.5 + seed, 0.9, 0.8),
+                      settings, draft_graphdef=dg, draft_params=dp)
+    assert spec._generate._cache_size() - before == 1
+
+
+def test_eos_stops_rows(tiny_model, draft_model):
+    tg, tp = tiny_model
+    dg, dp = draft_model
+    first = _ar_greedy(tg, tp, 4)
+    prompts, lens = ar.pad_prompts(PROMPTS)
+    eos = first[0][2]  # the third greedy token of row 0 becomes EOS
+    settings = spec.SpecSettings(k=3, rule="greedy", max_new_tokens=10, eos_id=eos)
+    state = spec.generate(tg, tp, prompts, lens, jax.random.key(0), spec.SpecParams.make(0.0), settings,
+                          draft_graphdef=dg, draft_params=dp)
+    reply = _spec_replies(state, lens)[0]
+    assert reply == first[0][:reply.index(eos) + 1] and reply[-1] == eos
+    assert bool(state.done[0])
