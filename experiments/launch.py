@@ -8,6 +8,7 @@ Parses arguments and calls library functions; holds no method. Config overrides 
     relf-jax train-draft target=runs/tiny
     relf-jax sample --workdir runs/tiny speculative.rule=nsd speculative.k=4 draft=runs/tiny/draft
     relf-jax eval --workdir runs/tiny
+    relf-jax bench spec --out spec.json [--quick]
     relf-jax demo --quick
     relf-jax info
 
@@ -49,8 +50,14 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--quick", action="store_true", help="tiny preset, about 2 minutes")
     d.add_argument("--workdir", default=None)
 
+    b = sub.add_parser("bench", help="long measurements written as JSON (bench spec)")
+    b.add_argument("which", choices=["spec"])
+    b.add_argument("--out", required=True, help="JSON file to write")
+    b.add_argument("--quick", action="store_true", help="tiny preset, a few minutes")
+    b.add_argument("--workdir", default=None, help="where models are trained / cached")
+
     sub.add_parser("info", help="devices, mesh and versions")
-    for sp in (t, td, s, e, d):
+    for sp in (t, td, s, e, d, b):
         sp.add_argument("overrides", nargs="*", help="config overrides key=value")
     return p
 
@@ -82,6 +89,11 @@ def _run(args) -> int:
     if args.command == "demo":
         from experiments.demo import run_demo
         run_demo(quick=args.quick, workdir=args.workdir, overrides=args.overrides)
+        return 0
+    if args.command == "bench":
+        from experiments import bench
+        getattr(bench, f"bench_{args.which}")(args.out, quick=args.quick, workdir=args.workdir,
+                                              overrides=args.overrides)
         return 0
     if args.command == "train":
         cfg = make_config(args.preset, args.overrides, workdir=args.workdir or os.path.join("runs", args.preset))

@@ -18,8 +18,8 @@ logits, so padded tokens have probability 0 and are never chosen.
 
 Top-p without a sort: x is kept iff the mass of tokens strictly more probable than x is
 < top_p (ties with the least probable kept token are all kept; the most probable token is always
-kept; top_p >= 1 keeps every token with non-zero probability) -- the same set as the sort-based
-`ref_nucleus_mask`. The kept set is {x : p(x) >= t0} with t0 the smallest probability t for which
+kept) -- the same set as the sort-based `ref_nucleus_mask`; top_p >= 1 skips the filter, like
+`ref_log_probs`. The kept set is {x : p(x) >= t0} with t0 the smallest probability t for which
 mass_above(t) = sum_{p(y) > t} p(y) is < top_p. The kernel finds t0 by bisection on the int32 bit
 patterns of non-negative float32s (ordered like the values): `NUCLEUS_BISECTION_STEPS` = 32
 passes, each a masked sum over the V tiles. Since the search interval starts below 2**30
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -75,14 +75,16 @@ def validate_inputs(target_logits, draft_logits, draft_tokens, uniforms=None, ex
     b, k1, v = target_logits.shape
     k = k1 - 1
     if k < 1:
-        raise ValueError(f"target_logits must have K+1 >= 2 positions, got shape {target_logits.shape}")
+        raise ValueError("target_logits must have K+1 >= 2 positions, got shape "
+                         f"{target_logits.shape}")
     if v < 1:
         raise ValueError(f"vocabulary size must be >= 1, got shape {target_logits.shape}")
     if draft_logits.shape != (b, k, v):
         raise ValueError(f"draft_logits must have shape (B, K, V) = {(b, k, v)} to match "
                          f"target_logits {target_logits.shape}, got {draft_logits.shape}")
     if draft_tokens.shape != (b, k):
-        raise ValueError(f"draft_tokens must have shape (B, K) = {(b, k)}, got {draft_tokens.shape}")
+        raise ValueError(f"draft_tokens must have shape (B, K) = {(b, k)}, "
+                         f"got {draft_tokens.shape}")
     for name, x in (("target_logits", target_logits), ("draft_logits", draft_logits)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"{name} must be floating point, got {x.dtype}")
@@ -119,8 +121,9 @@ def ref_nucleus_mask(probs: jax.Array, top_p) -> jax.Array:
 def ref_log_probs(logits: jax.Array, temperature=1.0, top_k=0, top_p=1.0) -> jax.Array:
     """float32 log-probs after temperature -> top-k -> top-p; temperature 0 = one-hot argmax.
 
-    logits [..., V] -> [..., V], removed tokens -inf. Mirrors
-    relf_jax.sampling.processors.log_probs operation for operation.
+    logits [..., V] -> [..., V], removed tokens -inf; scalar settings. Mirrors
+    relf_jax.sampling.processors.log_probs operation for operation: top_k 0 and top_p >= 1 skip
+    their filter entirely (top_p >= 1 removes nothing, not even zero-probability tokens).
     """
     logits = logits.astype(jnp.float32)
     temperature = jnp.asarray(temperature, jnp.float32)
@@ -128,12 +131,21 @@ def ref_log_probs(logits: jax.Array, temperature=1.0, top_k=0, top_p=1.0) -> jax
     scaled = logits / jnp.where(greedy, 1.0, temperature)
     v = logits.shape[-1]
     k = jnp.asarray(top_k, jnp.int32)
-    kth_index = jnp.broadcast_to(jnp.clip(k - 1, 0, v - 1), scaled.shape[:-1] + (1,))
-    kth = jnp.take_along_axis(-jnp.sort(-scaled, axis=-1), kth_index, axis=-1)
-    scaled = jnp.where((k > 0) & (scaled < kth), -jnp.inf, scaled)
-    scaled = jnp.where(ref_nucleus_mask(jax.nn.softmax(scaled, axis=-1), top_p), scaled, -jnp.inf)
+    top_p = jnp.asarray(top_p, jnp.float32)
+
+    def keep_top_k(x):
+        kth_index = jnp.broadcast_to(jnp.clip(k - 1, 0, v - 1), x.shape[:-1] + (1,))
+        kth = jnp.take_along_axis(-jnp.sort(-x, axis=-1), kth_index, axis=-1)
+        return jnp.where((k > 0) & (x < kth), -jnp.inf, x)
+
+    def keep_nucleus(x):
+        return jnp.where(ref_nucleus_mask(jax.nn.softmax(x, axis=-1), top_p), x, -jnp.inf)
+
+    scaled = lax.cond(k > 0, keep_top_k, lambda x: x, scaled)
+    scaled = lax.cond(top_p < 1.0, keep_nucleus, lambda x: x, scaled)
     out = jax.nn.log_softmax(scaled, axis=-1)
-    one_hot = jnp.where(jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.bool_), 0.0, -jnp.inf)
+    is_argmax = jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.bool_)
+    one_hot = jnp.where(is_argmax, 0.0, -jnp.inf)
     return jnp.where(greedy, one_hot, out)
 
 
@@ -187,7 +199,8 @@ def ref_verify(target_logits: jax.Array, draft_logits: jax.Array, draft_tokens: 
     q_x = jnp.take_along_axis(q, tokens, axis=-1)[..., 0]
     accept = uniforms.astype(jnp.float32) * q_x < p_x  # P = min(1, p/q), no division
     if rule == "nsd":
-        accept = accept | jnp.take_along_axis(nucleus_fn(p_draft, nsd_top_p), tokens, axis=-1)[..., 0]
+        in_nucleus = jnp.take_along_axis(nucleus_fn(p_draft, nsd_top_p), tokens, axis=-1)
+        accept = accept | in_nucleus[..., 0]
     num = _leading_run(accept)
 
     residual = jnp.maximum(p_draft - q, 0.0)
@@ -268,6 +281,7 @@ def _verify_kernel(settings_ref, tokens_ref, uniforms_ref, expo_ref, target_ref,
         def bisect():
             # Invariant: mass_above(hi) < top_p (hi starts at the max probability, 1/l), and
             # lo == -1 or mass_above(lo) >= top_p; stop once no float lies strictly between.
+            # For top_p <= 0 hi stays at the max: the top token is always kept, as in the sort.
             def step(_, carry):
                 lo, hi = carry
                 mid = jnp.right_shift(lo + hi, 1)
@@ -278,11 +292,11 @@ def _verify_kernel(settings_ref, tokens_ref, uniforms_ref, expo_ref, target_ref,
             _, hi = lax.fori_loop(0, NUCLEUS_BISECTION_STEPS, step, (izeros - 1, hi))
             return lax.bitcast_convert_type(hi, jnp.float32)
 
+        # Threshold 0 keeps everything: top_p >= 1 filters nothing (as processors.log_probs).
         threshold = lax.cond((top_p < 1.0) & ~greedy_t, bisect, lambda: zeros)
 
         def kept(j):
-            pr = full_probs(j)
-            return jnp.where(top_p >= 1.0, pr > 0.0, pr >= threshold[:, None])
+            return full_probs(j) >= threshold[:, None]
 
         def kept_sum(j, acc):
             return acc + jnp.sum(jnp.where(kept(j), jnp.exp(shifted(j)), 0.0), axis=1)

@@ -72,3 +72,13 @@ def test_model_judge_matches_manual_log_likelihood(tiny_model, tiny_model_cfg):
         manual = float(sum(ls[i, ids[i + 1]] for i in range(len(ids) - 1)))
         assert lp == pytest.approx(manual, abs=1e-4)
         assert count == len(ids) - 1
+
+
+def test_exact_judge_conditional_reply_score(grammar):
+    judge = ExactJudge(grammar, background_weight=0.0)
+    infos = grammar.sample_with_info(8, seed=4)
+    prompts = [i["prompt"] for i in infos]
+    replies = [i["text"][len(i["prompt"]):].strip() for i in infos]
+    lp, n = judge.score_replies(prompts, replies, [True] * 8)
+    np.testing.assert_allclose(lp, grammar.conditional_log_prob(prompts, replies), atol=1e-8)
+    assert np.all(n == [len(r.split()) + 1 for r in replies])

@@ -66,6 +66,18 @@ class ExactJudge:
                 logp = np.logaddexp(np.log1p(-w) + logp, np.log(w) + background)
         return logp, n
 
+    def score_replies(self, prompts: Sequence[str], replies: Sequence[str],
+                      complete: Sequence[bool]) -> tuple[np.ndarray, np.ndarray]:
+        """log p(reply | prompt) under the judge: joint minus prompt-prefix log-likelihood.
+
+        Scored tokens: the reply's words (+1 for the end event when complete).
+        """
+        joint = [f"{p} {r}".strip() for p, r in zip(prompts, replies)]
+        lp_joint, _ = self.score(joint, complete)
+        lp_prompt, _ = self.score(list(prompts), [False] * len(prompts))
+        n = np.asarray([len(r.split()) + int(c) for r, c in zip(replies, complete)], np.float64)
+        return lp_joint - lp_prompt, n
+
 
 class ModelJudge:
     """Log-likelihood of re-tokenized text under a relf_jax causal LM."""

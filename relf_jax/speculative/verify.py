@@ -79,7 +79,8 @@ def verify(target_logits: jax.Array, draft_logits: jax.Array, draft_tokens: jax.
       key: PRNG key; uniforms [B, K] and Exp(1) noise [B, V] are drawn from it.
       rule: "standard" | "nsd" | "greedy" (static).
       temperature, top_p, nsd_top_p, residual_floor: floats, may be traced.
-      top_k: static int; 0 disables. top_k > 0 always uses the reference path.
+      top_k: static int; 0 disables. The kernel has no top-k: with top_k > 0, use_kernel=None
+        takes the reference path and use_kernel=True raises ValueError.
       use_kernel: True -> Pallas kernel (interpreted on CPU), False -> reference, None ->
         reference on CPU or when the env var RELF_JAX_FORCE_REFERENCE=1, kernel on TPU/GPU.
         Read at trace time.
@@ -91,8 +92,8 @@ def verify(target_logits: jax.Array, draft_logits: jax.Array, draft_tokens: jax.
     key_accept, key_race = jax.random.split(key)
     uniforms = jax.random.uniform(key_accept, (b, k), jnp.float32)
     exponentials = jax.random.exponential(key_race, (b, v), jnp.float32)
-    settings = dict(rule=rule, temperature=temperature, top_k=top_k, top_p=top_p,
-                    nsd_top_p=nsd_top_p, residual_floor=residual_floor)
+    settings = {"rule": rule, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+                    "nsd_top_p": nsd_top_p, "residual_floor": residual_floor}
     if _use_kernel(use_kernel, top_k):
         num, next_token, accept = verify_kernels.verify(
             target_logits, draft_logits, draft_tokens, uniforms, exponentials,

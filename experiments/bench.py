@@ -1,0 +1,124 @@
+"""`relf-jax bench ...`: measurements that take minutes, written as JSON with ratios.
+
+Composition only. Every row of a benchmark is measured in the same process, one after the
+other, on the same prompts, so ratios between rows are meaningful on a noisy machine.
+
+- ``bench spec``: AR vs speculative decoding (standard / NSD / greedy rules, draft-model and
+  prompt-lookup proposers) at batch 1 and 8, temperature 1.0 and 0.7: tokens/s, tau (tokens
+  per target forward) and, for quality, gen PPL (exact judge, replies scored given their
+  prompts) and entropy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Optional, Sequence
+
+from relf_jax import workflows
+from relf_jax.config import SpeculativeConfig, make_config
+from relf_jax.eval.metrics import mean_unigram_entropy
+
+
+def _ensure_target_and_draft(preset: str, workdir: str, overrides: Sequence[str] = ()):
+    cfg = make_config(preset, list(overrides), workdir=workdir)
+    workflows.train_lm(cfg)
+    lm = workflows.load_model(workdir, "ar")
+    workflows.train_draft(workdir)
+    draft = workflows.load_model(os.path.join(workdir, "draft"), "ar")
+    return cfg, lm, draft
+
+
+def held_out_prompts(cfg, n: int, seed: int = 12345) -> list[str]:
+    """First user turns (ending with ``<assistant>``) of fresh grammar conversations."""
+    judge = workflows.exact_judge(cfg)
+    return [info["prompt"] for info in judge.grammar.sample_with_info(n, seed)]
+
+
+def reply_quality(judge, prompts: Sequence[str], samples) -> dict:
+    """Gen PPL of the replies given their prompts under the exact judge, and their entropy."""
+    logp, n = judge.score_replies(prompts, samples.texts, samples.complete)
+    return {"gen_ppl": float(math.exp(-logp.sum() / max(n.sum(), 1))),
+            "entropy": mean_unigram_entropy([t.split() for t in samples.texts])}
+
+
+def bench_spec(out: str, quick: bool = False, workdir: Optional[str] = None, overrides: Sequence[str] = ()) -> dict:
+    preset = "tiny" if quick else "cpu"
+    workdir = workdir or os.path.join("runs", f"bench_spec_{preset}")
+    cfg, lm, draft = _ensure_target_and_draft(preset, workdir, overrides)
+    judge = workflows.exact_judge(cfg)
+    max_new = 32 if quick else 64
+    n_prompts = 8 if quick else 16
+    prompts = held_out_prompts(cfg, n_prompts)
+    k = 4
+    variants = [("ar", "none", "-", None)]
+    for proposer in ("draft", "prompt_lookup"):
+        variants += [("speculative", "standard", proposer, None), ("speculative", "greedy", proposer, None)]
+        for nsd in ((0.8, 0.9, 0.95) if proposer == "draft" else (0.9,)):
+            variants.append(("speculative", "nsd", proposer, nsd))
+    rows = []
+    t0 = time.perf_counter()
+    for batch in (1, 8):
+        for temperature in (1.0, 0.7):
+            sc = dataclasses.replace(cfg.sample, batch_size=batch, max_new_tokens=max_new, temperature=temperature,
+                                     top_k=0, top_p=1.0, seed=0)
+            for method, rule, proposer, nsd in variants:
+                spc = SpeculativeConfig(rule=rule, k=k, proposer=proposer if proposer != "-" else "draft",
+                                        nsd_top_p=nsd or 0.9)
+                s = workflows.sample(lm, prompts=prompts, sample_cfg=sc, speculative=spc,
+                                     draft=draft if proposer == "draft" else None)
+                q = reply_quality(judge, prompts, s)
+                row = {"method": method if rule == "none" else f"{rule}" + (f"@{nsd}" if nsd else ""),
+                       "rule": rule, "proposer": proposer, "nsd_top_p": nsd, "temperature": temperature,
+                       "batch": batch, "k": k if rule != "none" else None, "tokens_per_s": s.tokens_per_s,
+                       "tau": s.tau, **q}
+                rows.append(row)
+                print(f"[bench spec] b={batch} T={temperature} {row['method']:>12} {proposer:>13}: "
+                      f"{s.tokens_per_s:8.1f} tok/s  tau {s.tau:4.2f}  gen PPL {q['gen_ppl']:7.2f}  "
+                      f"entropy {q['entropy']:.2f}", flush=True)
+    report = {"rows": rows, "ratios": _spec_ratios(rows), "preset": preset, "k": k, "max_new_tokens": max_new,
+              "num_prompts": n_prompts, "wall_s": time.perf_counter() - t0,
+              "draft_cost_ratio": _cost_ratio(lm, draft)}
+    workflows.write_json(out, report)
+    print(json.dumps(report["ratios"], indent=2))
+    return report
+
+
+def _find(rows, **kw):
+    for r in rows:
+        if all(r.get(k) == v for k, v in kw.items()):
+            return r
+    return None
+
+
+def _spec_ratios(rows) -> dict:
+    out = {}
+    for batch in (1, 8):
+        for temperature in (1.0, 0.7):
+            base = dict(batch=batch, temperature=temperature)
+            ar_row = _find(rows, rule="none", **base)
+            std = _find(rows, rule="standard", proposer="draft", **base)
+            nsd = _find(rows, rule="nsd", proposer="draft", nsd_top_p=0.9, **base)
+            key = f"b{batch}_T{temperature}"
+            out[key] = {
+                "standard_over_ar_tokens_per_s": std["tokens_per_s"] / ar_row["tokens_per_s"],
+                "nsd0.9_over_standard_tau": nsd["tau"] / std["tau"],
+                "nsd0.9_over_standard_tokens_per_s": nsd["tokens_per_s"] / std["tokens_per_s"],
+                "nsd0.9_over_ar_tokens_per_s": nsd["tokens_per_s"] / ar_row["tokens_per_s"],
+                "nsd0.9_gen_ppl_over_ar": nsd["gen_ppl"] / ar_row["gen_ppl"],
+                "nsd0.9_entropy_over_ar": nsd["entropy"] / ar_row["entropy"],
+            }
+    return out
+
+
+def _cost_ratio(lm, draft) -> float:
+    """Target / draft parameter count (excluding embeddings): how much cheaper a draft step is."""
+    import jax
+
+    def count(m):
+        return sum(x.size for x in jax.tree.leaves(m.params)) - m.model_cfg.vocab_size * m.model_cfg.d_model
+
+    return count(lm) / max(count(draft), 1)
