@@ -96,3 +96,11 @@ def test_bad_inputs_raise_value_error():
         train_tokenizer(["", "   "], 100)
     with pytest.raises(ValueError, match="too small"):
         train_tokenizer(["abcdefghijklmnopqrstuvwxyz 0123456789"], 16)
+
+
+def test_decode_keeps_chat_markers_as_words():
+    from relf_jax.data.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(["<user> hi there <assistant> hello you"] * 20, 64)
+    ids = [tok.piece_to_id("<assistant>")] * 2 + tok.encode("hi") + [tok.piece_to_id("<user>")]
+    assert tok.decode(ids).split() == ["<assistant>", "<assistant>", "hi", "<user>"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -17,6 +18,15 @@ from etils import epath
 
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 CHAT_MARKERS = ("<user>", "<assistant>")
+_MARKER_RE = re.compile(r"\s*(" + "|".join(re.escape(m) for m in CHAT_MARKERS) + r")\s*")
+
+
+def _space_markers(text: str) -> str:
+    """Chat markers are words of their own: a model that drops the space token before one
+    (e.g. ``hi<assistant>``) still decodes to ``hi <assistant>``."""
+    if "<" not in text:
+        return text
+    return re.sub(r"(?<=>)  (?=<)", " ", _MARKER_RE.sub(r" \1 ", text)).strip()
 
 
 def _training_lines(texts: Iterable[str | bytes]) -> Iterator[str]:
@@ -142,7 +152,7 @@ class Tokenizer:
                 break
             if i != self.pad_id and i != self.bos_id:
                 out.append(i)
-        return self._sp.decode(out)
+        return _space_markers(self._sp.decode(out))
 
     def id_to_piece(self, token_id: int) -> str:
         return self._sp.id_to_piece(int(token_id))
