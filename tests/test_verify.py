@@ -327,7 +327,10 @@ def test_validation_errors():
 
 def test_dispatch(monkeypatch):
     monkeypatch.delenv(verify_module.FORCE_REFERENCE_ENV, raising=False)
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     assert not verify_module._use_kernel(None, 0)  # CPU -> reference
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert not verify_module._use_kernel(None, 0)  # GPU -> reference: the kernel is slower there (measured)
     assert verify_module._use_kernel(True, 0) and not verify_module._use_kernel(False, 0)
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     assert verify_module._use_kernel(None, 0)
