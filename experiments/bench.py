@@ -164,8 +164,7 @@ def bench_verify(out: str, quick: bool = False, workdir: Optional[str] = None, o
         e = jax.random.exponential(k5, (b, v))
         for rule in ("standard", "nsd"):
             settings = dict(rule=rule, temperature=1.0, top_p=0.95, nsd_top_p=0.9)
-            ref = jax.jit(lambda *a, s=settings: kv.ref_verify(*a, log_probs_fn=processors.log_probs,
-                                                               nucleus_fn=processors.nucleus_mask, **s))
+            ref = jax.jit(lambda *a, s=settings: kv.ref_verify(*a, log_probs_fn=processors.log_probs, **s))
             ker = jax.jit(lambda *a, s=settings: kv.verify(*a, interpret=interpret, **s))
             args = (target, draft, tokens, u, e)
             r_out, k_out = jax.block_until_ready(ref(*args)), jax.block_until_ready(ker(*args))

@@ -159,10 +159,22 @@ def _leading_run(accept: jax.Array) -> jax.Array:
     return jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
 
 
+def nucleus_member(probs: jax.Array, p_x: jax.Array, top_p) -> jax.Array:
+    """Is the token with probability p_x in the top-p nucleus of probs [..., V]? -> bool [...].
+
+    The membership test of `ref_nucleus_mask` for one token, without a sort: x is in the
+    nucleus iff the mass of tokens strictly more probable than x is < top_p (top_p >= 1: any
+    token with p_x > 0). One masked sum over V, the same the kernel computes.
+    """
+    above = jnp.sum(jnp.where(probs > p_x[..., None], probs, 0.0), axis=-1)
+    is_max = p_x >= jnp.max(probs, axis=-1)
+    return jnp.where(jnp.asarray(top_p) >= 1.0, p_x > 0.0, (above < top_p) | is_max)
+
+
 def ref_verify(target_logits: jax.Array, draft_logits: jax.Array, draft_tokens: jax.Array,
                uniforms: jax.Array, exponentials: jax.Array, *, rule: str = "standard",
                temperature=1.0, top_k: int = 0, top_p=1.0, nsd_top_p=0.9, residual_floor=1e-8,
-               log_probs_fn: Callable | None = None, nucleus_fn: Callable | None = None):
+               log_probs_fn: Callable | None = None):
     """Plain-jnp verification; the semantics the kernel must reproduce exactly.
 
     Args:
@@ -171,17 +183,17 @@ def ref_verify(target_logits: jax.Array, draft_logits: jax.Array, draft_tokens: 
       draft_tokens: [B, K] int, in [0, V).
       uniforms: [B, K] U[0, 1) noise; draft i accepted (standard) iff u_i * q_i(x_i) < p_i(x_i).
       exponentials: [B, V] Exp(1) noise for the emitted token's race.
-      rule: "standard" | "nsd" (standard OR x_i in nucleus_fn(p_i, nsd_top_p)) | "greedy"
+      rule: "standard" | "nsd" (standard OR x_i in the nsd_top_p nucleus of p_i, see
+        `nucleus_member`) | "greedy"
         (x_i == argmax of the raw target logits; emitted token is that argmax).
-      log_probs_fn, nucleus_fn: the transform (logits, temperature, top_k, top_p) -> log-probs
-        and the top-p membership (probs, top_p) -> bool; default to this module's mirrors.
+      log_probs_fn: the transform (logits, temperature, top_k, top_p) -> log-probs; defaults
+        to this module's mirror of `relf_jax.sampling.processors.log_probs`.
     Returns:
       (num_accepted [B] int32, next_token [B] int32, accept [B, K] bool).
     """
     _, k, _ = validate_inputs(target_logits, draft_logits, draft_tokens, uniforms, exponentials,
                               rule=rule)
     log_probs_fn = ref_log_probs if log_probs_fn is None else log_probs_fn
-    nucleus_fn = ref_nucleus_mask if nucleus_fn is None else nucleus_fn
     target = target_logits.astype(jnp.float32)
     draft = draft_logits.astype(jnp.float32)
     tokens = draft_tokens.astype(jnp.int32)[..., None]
@@ -199,8 +211,7 @@ def ref_verify(target_logits: jax.Array, draft_logits: jax.Array, draft_tokens: 
     q_x = jnp.take_along_axis(q, tokens, axis=-1)[..., 0]
     accept = uniforms.astype(jnp.float32) * q_x < p_x  # P = min(1, p/q), no division
     if rule == "nsd":
-        in_nucleus = jnp.take_along_axis(nucleus_fn(p_draft, nsd_top_p), tokens, axis=-1)
-        accept = accept | in_nucleus[..., 0]
+        accept = accept | nucleus_member(p_draft, p_x, nsd_top_p)
     num = _leading_run(accept)
 
     residual = jnp.maximum(p_draft - q, 0.0)

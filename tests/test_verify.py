@@ -53,7 +53,7 @@ def _expected_tv(p, n):
 def _ref_jit(target, draft, tokens, uniforms, exponentials, temperature, top_p, *, rule):
     return verify_kernels.ref_verify(
         target, draft, tokens, uniforms, exponentials, rule=rule, temperature=temperature,
-        top_p=top_p, log_probs_fn=processors.log_probs, nucleus_fn=processors.nucleus_mask)
+        top_p=top_p, log_probs_fn=processors.log_probs)
 
 
 def _ref(target, draft, tokens, uniforms, exponentials, rule, temperature, top_p=1.0):

@@ -103,7 +103,7 @@ def verify(target_logits: jax.Array, draft_logits: jax.Array, draft_tokens: jax.
     else:
         num, next_token, accept = verify_kernels.ref_verify(
             target_logits, draft_logits, draft_tokens, uniforms, exponentials,
-            log_probs_fn=processors.log_probs, nucleus_fn=processors.nucleus_mask, **settings)
+            log_probs_fn=processors.log_probs, **settings)
     return VerifyResult(num_accepted=num, next_token=next_token, accept=accept)
 
 
