@@ -59,8 +59,9 @@ def run_demo(quick: bool = False, workdir: Optional[str] = None, overrides: Sequ
 
     decode = {}
     for batch in (1, 8):
-        s = workflows.sample(lm, n=batch, sample_cfg=dataclasses.replace(
-            sc, batch_size=batch, num_samples=batch, temperature=1.0))
+        # several batches, so the figure is not one short, noisy timing
+        s = workflows.sample(lm, n=4 * batch, sample_cfg=dataclasses.replace(
+            sc, batch_size=batch, num_samples=4 * batch, temperature=1.0))
         decode[str(batch)] = s.tokens_per_s
 
     train_rows = [r for r in read_metrics(os.path.join(result.workdir, "metrics.jsonl")) if "tokens_per_s" in r]
