@@ -130,6 +130,9 @@ def _run(args) -> int:
     cfg.validate()
     if args.command == "sample":
         if args.stream:
+            if cfg.speculative.rule != "none":
+                from relf_jax.config import ConfigError
+                raise ConfigError("--stream decodes autoregressively; drop speculative.rule or --stream")
             for prompt in args.prompt or [""]:
                 for piece in workflows.stream_reply(lm, prompt, cfg.sample):
                     print(piece, end="", flush=True)
@@ -144,8 +147,9 @@ def _run(args) -> int:
         return 0
     if args.command == "eval":
         judge = workflows.exact_judge(cfg) if args.judge == "exact" else workflows.model_judge(args.judge)
-        s = workflows.sample(lm, sample_cfg=cfg.sample)
+        s = workflows.sample(lm, sample_cfg=cfg.sample, speculative=cfg.speculative)
         out = workflows.evaluate_samples(s, judge)
+        out["tau"] = s.tau
         out["validation_loss"] = workflows.validation_loss(lm)
         out["step"] = lm.step
         print(json.dumps(out, indent=2))
