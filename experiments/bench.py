@@ -35,7 +35,7 @@ def _ensure_target_and_draft(preset: str, workdir: str, overrides: Sequence[str]
     cfg = make_config(preset, list(overrides), workdir=workdir)
     workflows.train_lm(cfg)
     lm = workflows.load_model(workdir, "ar")
-    workflows.train_draft(workdir)
+    workflows.train_draft(workdir, [f"train.steps={max(1, cfg.train.steps // 2)}"])  # as the demo does
     draft = workflows.load_model(os.path.join(workdir, "draft"), "ar")
     return cfg, lm, draft
 

@@ -65,7 +65,7 @@ class CausalLM(nnx.Module):
             idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
             mask = causal_mask(idx, idx, segment_ids, segment_ids)
         else:
-            s = cache[0][0].shape[1]
+            s = cache[0][0].shape[2]
             slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
             mask = causal_mask(positions, slots)
         new_cache = []
@@ -81,13 +81,13 @@ class CausalLM(nnx.Module):
         return logits, (None if cache is None else tuple(new_cache))
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
-        """Zeroed KV cache: per layer (k, v), each [batch, max_len, num_kv_heads, head_dim]."""
+        """Zeroed KV cache: per layer (k, v), each [batch, num_kv_heads, max_len, head_dim]."""
         return init_cache(self.cfg, batch, max_len, dtype)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
     dtype = dtype or DTYPES[cfg.dtype]
-    shape = (batch, max_len, cfg.num_kv_heads, cfg.resolved_head_dim)
+    shape = (batch, cfg.num_kv_heads, max_len, cfg.resolved_head_dim)
     return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
 
 
