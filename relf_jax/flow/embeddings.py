@@ -1,0 +1,171 @@
+"""Fixed token embeddings for ReLF: Hellinger-SVD (the method) and two ablation baselines.
+
+Built once, in numpy float64, from corpus co-occurrence counts (methods.md section 1):
+
+1. C[w, c] = how often c follows w within `window` positions; P = rownorm(C + smoothing).
+2. M = sqrt(P): every row has unit L2 norm, and |M[a] - M[b]| = sqrt(2) x Hellinger(P[a], P[b]).
+3. Truncated SVD M ~ U_d S_d V_d^T; E = U_d S_d (= M V_d, the rows of M in the top-d basis),
+   sign of each component fixed, rows rescaled to one norm (it sets the flow's SNR).
+
+Centring (``center``) is off by default. Rows of M already lie on the unit sphere, so without
+centring the truncated rows keep norm ~1 and the final rescale is a small correction: E E^T
+stays ~ norm^2 M M^T (Bhattacharyya affinities). Centring subtracts the mean row first (PCA),
+which frees the first component from the shared "average distribution" direction but makes
+row norms uneven, so the rescale moves common tokens (near the mean) furthest. Both are
+available; the choice is a config value.
+
+All builders return float32 [V, dim] arrays and are deterministic (same input -> same bits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+KINDS = ("hellinger_svd", "gaussian", "one_hot_projection")
+
+
+def cooccurrence_counts(
+    token_rows: np.ndarray | Iterable[Sequence[int]],
+    vocab_size: int,
+    window: int = 1,
+    *,
+    ignore_id: int | None = None,
+) -> np.ndarray:
+    """Forward co-occurrence counts C [V, V] float64.
+
+    C[w, c] counts the pairs (row[i], row[i + k]) = (w, c) for k = 1..window within each row
+    (window 1 = next token). `token_rows` is a 2-D int array [N, S] or any iterable of token
+    sequences (ragged rows allowed). Pairs touching `ignore_id` (e.g. padding) are skipped.
+    """
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    flat = np.zeros(vocab_size * vocab_size, np.float64)
+    rows = token_rows if not isinstance(token_rows, np.ndarray) or token_rows.ndim == 2 else [token_rows]
+    for row in rows:
+        row = np.asarray(row, np.int64).reshape(-1)
+        if row.size and (row.min() < 0 or row.max() >= vocab_size):
+            raise ValueError(f"token ids must lie in [0, {vocab_size}), got [{row.min()}, {row.max()}]")
+        for k in range(1, min(window, row.size - 1) + 1):
+            w, c = row[:-k], row[k:]
+            if ignore_id is not None:
+                keep = (w != ignore_id) & (c != ignore_id)
+                w, c = w[keep], c[keep]
+            flat += np.bincount(w * vocab_size + c, minlength=vocab_size * vocab_size)
+    return flat.reshape(vocab_size, vocab_size)
+
+
+def hellinger_rows(counts: np.ndarray, smoothing: float = 1e-3) -> np.ndarray:
+    """M = sqrt(rownorm(counts + smoothing)) [V, V] float64; every row has unit L2 norm."""
+    counts = np.asarray(counts, np.float64)
+    if counts.ndim != 2 or counts.shape[0] != counts.shape[1]:
+        raise ValueError(f"counts must be square [V, V], got shape {counts.shape}")
+    if smoothing < 0 or np.any(counts < 0):
+        raise ValueError("counts and smoothing must be non-negative")
+    smoothed = counts + smoothing
+    totals = smoothed.sum(axis=1, keepdims=True)
+    if np.any(totals <= 0):
+        raise ValueError("a token has no counts and smoothing is 0: its row of P is undefined")
+    return np.sqrt(smoothed / totals)
+
+
+def fix_signs(vectors: np.ndarray) -> np.ndarray:
+    """Flip each column so that its entry of largest |value| (first such row) is positive."""
+    rows = np.argmax(np.abs(vectors), axis=0)
+    signs = np.sign(vectors[rows, np.arange(vectors.shape[1])])
+    signs[signs == 0] = 1.0
+    return vectors * signs
+
+
+def rescale_rows(vectors: np.ndarray, norm: float) -> np.ndarray:
+    """Rows of `vectors` [V, d] rescaled to L2 norm `norm`, returned as float32."""
+    if not norm > 0:
+        raise ValueError(f"norm must be positive, got {norm}")
+    vectors = np.asarray(vectors, np.float64)
+    lengths = np.linalg.norm(vectors, axis=1, keepdims=True)
+    if np.any(lengths < 1e-12):
+        bad = np.flatnonzero(lengths[:, 0] < 1e-12)[:5]
+        raise ValueError(f"rows {bad.tolist()} are ~0 before rescaling: raise dim or disable centring")
+    return (vectors * (norm / lengths)).astype(np.float32)
+
+
+def _default_norm(dim: int, norm: float | None) -> float:
+    # sqrt(dim): each coordinate of E[w] has unit RMS, like the N(0, I) noise it is mixed with.
+    return float(np.sqrt(dim)) if norm is None else float(norm)
+
+
+def hellinger_svd_embeddings(
+    counts: np.ndarray,
+    dim: int,
+    *,
+    smoothing: float = 1e-3,
+    norm: float | None = None,
+    center: bool = False,
+) -> np.ndarray:
+    """Hellinger-SVD token embeddings E [V, dim] float32 from co-occurrence counts [V, V].
+
+    E = U_d S_d of the (optionally column-centred) Hellinger matrix M = sqrt(P);
+    rows rescaled to `norm` (default sqrt(dim)); then each column's largest-|value| entry is
+    made positive.
+    Exact dense SVD: O(V^2) memory, O(V^3) time (fine up to a few thousand tokens).
+    Components with tied singular values are only determined up to a rotation.
+    """
+    m = hellinger_rows(counts, smoothing)
+    vocab_size = m.shape[0]
+    if not 1 <= dim <= vocab_size:
+        raise ValueError(f"dim must lie in [1, {vocab_size}], got {dim}")
+    if center:
+        m = m - m.mean(axis=0, keepdims=True)
+    u, s, _ = np.linalg.svd(m, full_matrices=False)
+    # Signs after the rescale, so the convention holds on the returned rows (flips are exact).
+    return fix_signs(rescale_rows(u[:, :dim] * s[:dim], _default_norm(dim, norm)))
+
+
+def gaussian_embeddings(vocab_size: int, dim: int, seed: int = 0, norm: float | None = None) -> np.ndarray:
+    """Ablation baseline: i.i.d. N(0, 1) rows [V, dim] float32, rescaled to `norm`."""
+    rng = np.random.default_rng(seed)
+    return rescale_rows(rng.standard_normal((vocab_size, dim)), _default_norm(dim, norm))
+
+
+def one_hot_projection_embeddings(
+    vocab_size: int, dim: int, seed: int = 0, norm: float | None = None
+) -> np.ndarray:
+    """Ablation baseline: one-hot vectors through a random orthogonal projection, [V, dim] f32.
+
+    E[w] = Q^T e_w with Q [V, dim] of orthonormal columns (dim <= V: a random dim-dimensional
+    subspace of the one-hot space) or orthonormal rows (dim > V: the one-hots rotated into
+    R^dim, pairwise orthogonal). Rows rescaled to `norm`.
+    """
+    rng = np.random.default_rng(seed)
+    if dim <= vocab_size:
+        q, _ = np.linalg.qr(rng.standard_normal((vocab_size, dim)))
+    else:
+        q, _ = np.linalg.qr(rng.standard_normal((dim, vocab_size)))
+        q = q.T
+    return rescale_rows(q, _default_norm(dim, norm))
+
+
+def make_embeddings(
+    kind: str,
+    *,
+    vocab_size: int,
+    dim: int,
+    norm: float | None = None,
+    seed: int = 0,
+    counts: np.ndarray | None = None,
+    smoothing: float = 1e-3,
+    center: bool = False,
+) -> np.ndarray:
+    """Dispatch on `kind` (one of `KINDS`); Hellinger-SVD needs `counts` [V, V]."""
+    if kind == "hellinger_svd":
+        if counts is None or counts.shape != (vocab_size, vocab_size):
+            raise ValueError(f"hellinger_svd needs counts of shape ({vocab_size}, {vocab_size})")
+        return hellinger_svd_embeddings(counts, dim, smoothing=smoothing, norm=norm, center=center)
+    if kind == "gaussian":
+        return gaussian_embeddings(vocab_size, dim, seed, norm)
+    if kind == "one_hot_projection":
+        return one_hot_projection_embeddings(vocab_size, dim, seed, norm)
+    raise ValueError(f"unknown embedding kind {kind!r}; expected one of {KINDS}")

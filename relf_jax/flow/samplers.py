@@ -1,0 +1,301 @@
+"""ReLF samplers: Euler ODE and stochastic (renoise-then-Euler), each one `lax.scan`.
+
+A sampler integrates Z from Z_0 ~ N(0, I) at t = 0 to t = 1 over a time grid and returns
+the argmax tokens of the posterior at t = 1 together with the final Z.
+
+The network enters as ``residual_fn(z [B, L, d], t [B], sc [B, L, d]) -> [B, L, V]`` residual
+logits (before the c tanh(. / c) bound). sc is the self-conditioning input: the previous
+step's X1_hat, zeros at the first step. Guidance with scale w is applied to the residual:
+
+    f_guided = f(sc = 0) + w (f(sc = prev) - f(sc = 0)),
+
+evaluated as one call on a doubled batch [sc = prev; sc = 0]; w == 1 is just f(sc = prev)
+(one call on the plain batch). One network call per grid step (plus one at t = 1 for the
+no-singular ablation, see `final_tokens`).
+
+The functions are traceable, not jitted: a caller jits them with the network parameters as
+arguments (``jax.jit(lambda params, key, e: euler_sample(key, partial(apply, params), e, ...))``)
+so nothing is closed over; static settings (shapes, nfe, grid, c, guidance...) are Python
+values, so one compilation per setting and shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from relf_jax.flow.singular import DEFAULT_T_EPS, flow_step, posterior_logits
+
+ResidualFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+GRIDS = ("uniform", "cosine", "late")
+SAMPLERS = ("euler", "stochastic")
+RENOISE = ("linear", "marginal")
+
+
+@dataclasses.dataclass(frozen=True)
+class FlowSamplerSettings:
+    """Static settings of one compiled ReLF sampler.
+
+    nfe: grid steps (network calls). grid: one of `GRIDS`. sampler: "euler" | "stochastic".
+    c: residual bound (None = unbounded). guidance: self-conditioning guidance scale w.
+    use_singular: add the singular logits (False = ablation). t_eps: clamp of 1 - t.
+    gamma: renoise strength of the stochastic sampler (a = 1 - gamma h); renoise: its noise
+    scale, see `stochastic_integrate`.
+    """
+
+    nfe: int = 16
+    grid: str = "uniform"
+    sampler: str = "euler"
+    c: float | None = 10.0
+    guidance: float = 1.0
+    use_singular: bool = True
+    t_eps: float = DEFAULT_T_EPS
+    gamma: float = 1.0
+    renoise: str = "linear"
+
+    def __post_init__(self):
+        if self.nfe < 1:
+            raise ValueError(f"nfe must be >= 1, got {self.nfe}")
+        if self.grid not in GRIDS:
+            raise ValueError(f"unknown grid {self.grid!r}; expected one of {GRIDS}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"unknown sampler {self.sampler!r}; expected one of {SAMPLERS}")
+        if self.renoise not in RENOISE:
+            raise ValueError(f"unknown renoise {self.renoise!r}; expected one of {RENOISE}")
+        if self.c is not None and not self.c > 0:
+            raise ValueError(f"c must be positive or None, got {self.c}")
+        if not 0 < self.t_eps < 1:
+            raise ValueError(f"t_eps must lie in (0, 1), got {self.t_eps}")
+        if self.gamma < 0:
+            raise ValueError(f"gamma must be >= 0, got {self.gamma}")
+
+
+def time_grid(nfe: int, kind: str = "uniform") -> jax.Array:
+    """Increasing times [nfe + 1] float32 with t[0] = 0 and t[-1] = 1 exactly.
+
+    uniform: u = i / nfe. cosine: (1 - cos(pi u)) / 2, small steps at both ends.
+    late: 1 - (1 - u)^2, small steps near t = 1 where the posterior decides.
+    """
+    if nfe < 1:
+        raise ValueError(f"nfe must be >= 1, got {nfe}")
+    u = np.arange(nfe + 1, dtype=np.float64) / nfe
+    if kind == "uniform":
+        t = u
+    elif kind == "cosine":
+        t = 0.5 * (1.0 - np.cos(np.pi * u))
+    elif kind == "late":
+        t = 1.0 - (1.0 - u) ** 2
+    else:
+        raise ValueError(f"unknown grid {kind!r}; expected one of {GRIDS}")
+    t[0], t[-1] = 0.0, 1.0
+    return jnp.asarray(t, jnp.float32)
+
+
+def guided_residual(residual_fn: ResidualFn, z: jax.Array, t: jax.Array, sc: jax.Array, guidance: float) -> jax.Array:
+    """Self-conditioning guidance f(0) + w (f(sc) - f(0)) on the residual logits [B, L, V]."""
+    if guidance == 1.0:
+        return jnp.asarray(residual_fn(z, t, sc), jnp.float32)
+    both = residual_fn(
+        jnp.concatenate([z, z]), jnp.concatenate([t, t]), jnp.concatenate([sc, jnp.zeros_like(sc)])
+    )
+    f_sc, f_zero = jnp.split(jnp.asarray(both, jnp.float32), 2)
+    return f_zero + guidance * (f_sc - f_zero)
+
+
+def final_tokens(
+    residual_fn: ResidualFn,
+    z: jax.Array,
+    sc: jax.Array,
+    embeddings: jax.Array,
+    *,
+    c: float | None,
+    guidance: float = 1.0,
+    use_singular: bool = True,
+    t_eps: float = DEFAULT_T_EPS,
+) -> jax.Array:
+    """argmax [B, L] int32 of the posterior at t = 1.
+
+    With the singular logits on, s at t = 1 scales like 1 / t_eps^2 and a residual bounded by
+    c cannot move the argmax (it is the nearest embedding row), so the network is not called.
+    Without them (ablation) the residual alone decides and costs one extra call at t = 1.
+    """
+    t_one = jnp.ones((z.shape[0],), jnp.float32)
+    if use_singular and c is not None:
+        logits = posterior_logits(z, t_one, embeddings, None, use_singular=True, t_eps=t_eps)
+    else:
+        f = guided_residual(residual_fn, z, t_one, sc, guidance)
+        logits = posterior_logits(z, t_one, embeddings, f, c=c, use_singular=use_singular, t_eps=t_eps)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def euler_integrate(
+    z0: jax.Array,
+    residual_fn: ResidualFn,
+    embeddings: jax.Array,
+    ts: jax.Array,
+    *,
+    c: float | None,
+    guidance: float = 1.0,
+    use_singular: bool = True,
+    t_eps: float = DEFAULT_T_EPS,
+) -> tuple[jax.Array, jax.Array]:
+    """Euler ODE from z0 [B, L, d] over times ts [n + 1]; returns (Z at ts[-1], last X1_hat)."""
+    return _integrate(z0, residual_fn, embeddings, ts, None, c=c, guidance=guidance,
+                      use_singular=use_singular, t_eps=t_eps, gamma=0.0, renoise="linear")
+
+
+def stochastic_integrate(
+    z0: jax.Array,
+    step_keys: jax.Array,
+    residual_fn: ResidualFn,
+    embeddings: jax.Array,
+    ts: jax.Array,
+    *,
+    c: float | None,
+    gamma: float,
+    guidance: float = 1.0,
+    use_singular: bool = True,
+    t_eps: float = DEFAULT_T_EPS,
+    renoise: str = "linear",
+) -> tuple[jax.Array, jax.Array]:
+    """Stochastic sampler from z0 [B, L, d]; step_keys [n] (one per step; the last is unused).
+
+    Step i (t -> t_next, h = t_next - t), except the last: a = clip(1 - gamma h, 0, 1),
+    move back to t' = a t with Z' = a Z + sigma eps (fresh eps), then Euler from t' to t_next.
+    renoise="linear": sigma = 1 - a, as methods.md writes it. renoise="marginal":
+    sigma = sqrt((1 - a)(1 + a - 2 a t)), which makes the noise level of Z' exactly 1 - a t
+    (the path's at t'); "linear" adds less. The last step is plain Euler (deterministic).
+    """
+    return _integrate(z0, residual_fn, embeddings, ts, step_keys, c=c, guidance=guidance,
+                      use_singular=use_singular, t_eps=t_eps, gamma=gamma, renoise=renoise)
+
+
+def _integrate(z0, residual_fn, embeddings, ts, step_keys, *, c, guidance, use_singular, t_eps,
+               gamma, renoise):
+    z0 = jnp.asarray(z0, jnp.float32)
+    embeddings = jnp.asarray(embeddings, jnp.float32)
+    ts = jnp.asarray(ts, jnp.float32)
+    batch = z0.shape[0]
+    t_now, t_next = ts[:-1], ts[1:]
+    # a = 1 on the last step: no renoise, so its key is never used.
+    last = jnp.arange(t_now.shape[0]) == t_now.shape[0] - 1
+    a_all = jnp.where(last, 1.0, jnp.clip(1.0 - gamma * (t_next - t_now), 0.0, 1.0))
+    stochastic = step_keys is not None
+
+    def step(carry, xs):
+        z, sc = carry
+        t, t_to, a, key = xs
+        if stochastic:
+            if renoise == "linear":
+                sigma = 1.0 - a
+            else:
+                sigma = jnp.sqrt(jnp.maximum((1.0 - a) * (1.0 + a - 2.0 * a * t), 0.0))
+            eps = jax.random.normal(key, z.shape, jnp.float32)
+            z = a * z + sigma * eps
+            t = a * t
+        tb = jnp.full((batch,), t, jnp.float32)
+        f = guided_residual(residual_fn, z, tb, sc, guidance)
+        z_next, x1_hat = flow_step(z, tb, jnp.full((batch,), t_to, jnp.float32), f, embeddings,
+                                   c=c, use_singular=use_singular, t_eps=t_eps)
+        return (z_next, x1_hat), None
+
+    keys = step_keys if stochastic else jnp.zeros((t_now.shape[0],), jnp.uint32)
+    (z, sc), _ = jax.lax.scan(step, (z0, jnp.zeros_like(z0)), (t_now, t_next, a_all, keys))
+    return z, sc
+
+
+def _land(z, tokens, embeddings, use_singular):
+    # With singular logits the t -> 1 limit of X1_hat is the argmax row; a coarse grid can
+    # leave the Euler end point a (near one-hot) mixture, so return the row itself.
+    if use_singular:
+        return jnp.asarray(embeddings, jnp.float32)[tokens]
+    return z
+
+
+def _check_static(nfe, grid, c, t_eps):
+    FlowSamplerSettings(nfe=nfe, grid=grid, c=c, t_eps=t_eps)
+
+
+def euler_sample(
+    key: jax.Array,
+    residual_fn: ResidualFn,
+    embeddings: jax.Array,
+    *,
+    batch: int,
+    length: int,
+    nfe: int,
+    c: float | None,
+    guidance: float = 1.0,
+    grid: str = "uniform",
+    use_singular: bool = True,
+    t_eps: float = DEFAULT_T_EPS,
+) -> tuple[jax.Array, jax.Array]:
+    """Euler ODE sampler: (tokens [B, L] int32, Z at t = 1 [B, L, d] float32).
+
+    Z_0 ~ N(0, I); nfe Euler steps over `time_grid(nfe, grid)`. The last step ends at t = 1
+    exactly, so the integrated Z_1 is the last X1_hat: an embedding row once the posterior has
+    decided (`euler_integrate` returns that raw end point). With the singular logits on, the
+    returned Z is E[tokens] exactly (the t -> 1 limit of X1_hat, which no coarse grid can
+    leave as a mixture); without them (ablation) it is the raw end point.
+    """
+    _check_static(nfe, grid, c, t_eps)
+    z0 = jax.random.normal(key, (batch, length, jnp.shape(embeddings)[1]), jnp.float32)
+    z, sc = euler_integrate(z0, residual_fn, embeddings, time_grid(nfe, grid), c=c, guidance=guidance,
+                            use_singular=use_singular, t_eps=t_eps)
+    tokens = final_tokens(residual_fn, z, sc, embeddings, c=c, guidance=guidance,
+                          use_singular=use_singular, t_eps=t_eps)
+    return tokens, _land(z, tokens, embeddings, use_singular)
+
+
+def stochastic_sample(
+    key: jax.Array,
+    residual_fn: ResidualFn,
+    embeddings: jax.Array,
+    *,
+    batch: int,
+    length: int,
+    nfe: int,
+    c: float | None,
+    gamma: float = 1.0,
+    guidance: float = 1.0,
+    grid: str = "uniform",
+    use_singular: bool = True,
+    t_eps: float = DEFAULT_T_EPS,
+    renoise: str = "linear",
+) -> tuple[jax.Array, jax.Array]:
+    """Stochastic sampler (see `stochastic_integrate`): (tokens [B, L] int32, Z_1 [B, L, d])."""
+    _check_static(nfe, grid, c, t_eps)
+    if gamma < 0 or renoise not in RENOISE:
+        raise ValueError(f"need gamma >= 0 and renoise in {RENOISE}, got {gamma}, {renoise!r}")
+    z_key, noise_key = jax.random.split(key)
+    z0 = jax.random.normal(z_key, (batch, length, jnp.shape(embeddings)[1]), jnp.float32)
+    z, sc = stochastic_integrate(z0, jax.random.split(noise_key, nfe), residual_fn, embeddings,
+                                 time_grid(nfe, grid), c=c, gamma=gamma, guidance=guidance,
+                                 use_singular=use_singular, t_eps=t_eps, renoise=renoise)
+    tokens = final_tokens(residual_fn, z, sc, embeddings, c=c, guidance=guidance,
+                          use_singular=use_singular, t_eps=t_eps)
+    return tokens, _land(z, tokens, embeddings, use_singular)
+
+
+def sample(
+    key: jax.Array,
+    residual_fn: ResidualFn,
+    embeddings: jax.Array,
+    settings: FlowSamplerSettings,
+    *,
+    batch: int,
+    length: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Run the sampler `settings.sampler` with those settings: (tokens [B, L], Z_1 [B, L, d])."""
+    common = {"batch": batch, "length": length, "nfe": settings.nfe, "c": settings.c,
+              "guidance": settings.guidance, "grid": settings.grid,
+              "use_singular": settings.use_singular, "t_eps": settings.t_eps}
+    if settings.sampler == "euler":
+        return euler_sample(key, residual_fn, embeddings, **common)
+    return stochastic_sample(key, residual_fn, embeddings, gamma=settings.gamma,
+                             renoise=settings.renoise, **common)

@@ -1,0 +1,315 @@
+"""ReLF core math: embeddings, singular posterior, flow step and samplers (tiny CPU shapes)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from relf_jax.flow import embeddings as emb
+from relf_jax.flow import samplers, singular
+
+V, D, B, L = 40, 8, 3, 6
+
+
+def random_embeddings(seed=0, vocab=V, dim=D, norm=None):
+    return emb.gaussian_embeddings(vocab, dim, seed=seed, norm=norm)
+
+
+def zero_residual(vocab=V):
+    def fn(z, t, sc):
+        return jnp.zeros(z.shape[:-1] + (vocab,), jnp.float32)
+
+    return fn
+
+
+def nearest_row_distance(z, e):
+    """min_w ||z - E[w]|| per position, float64 numpy: [B, L]."""
+    z = np.asarray(z, np.float64)
+    e = np.asarray(e, np.float64)
+    return np.linalg.norm(z[..., None, :] - e, axis=-1).min(axis=-1)
+
+
+# --------------------------------------------------------------------------- embeddings
+
+
+def test_cooccurrence_counts_window_ragged_and_ignore():
+    counts = emb.cooccurrence_counts([[0, 1, 2], [2, 1]], vocab_size=3)
+    expected = np.zeros((3, 3))
+    expected[0, 1] = expected[1, 2] = expected[2, 1] = 1
+    np.testing.assert_array_equal(counts, expected)
+    assert counts.dtype == np.float64
+
+    counts2 = emb.cooccurrence_counts(np.array([[0, 1, 2]]), vocab_size=3, window=2)
+    expected2 = np.zeros((3, 3))
+    expected2[0, 1] = expected2[1, 2] = expected2[0, 2] = 1
+    np.testing.assert_array_equal(counts2, expected2)
+
+    padded = emb.cooccurrence_counts(np.array([[1, 2, 0, 0]]), vocab_size=3, ignore_id=0)
+    assert padded.sum() == 1 and padded[1, 2] == 1
+    with pytest.raises(ValueError):
+        emb.cooccurrence_counts([[0, 3]], vocab_size=3)
+
+
+def _corpus(seed=0, vocab=24, rows=60, length=30):
+    """Markov chain where tokens 2k and 2k+1 share one next-token distribution."""
+    rng = np.random.default_rng(seed)
+    trans = rng.dirichlet(np.full(vocab, 0.3), size=vocab // 2).repeat(2, axis=0)
+    out = np.zeros((rows, length), np.int64)
+    for r in range(rows):
+        out[r, 0] = rng.integers(vocab)
+        for i in range(1, length):
+            out[r, i] = rng.choice(vocab, p=trans[out[r, i - 1]])
+    return out
+
+
+def test_hellinger_svd_embeddings_properties():
+    counts = emb.cooccurrence_counts(_corpus(), 24, window=1)
+    m = emb.hellinger_rows(counts, smoothing=1e-3)
+    np.testing.assert_allclose(np.linalg.norm(m, axis=1), 1.0, rtol=1e-12)
+
+    for center in (False, True):
+        e1 = emb.hellinger_svd_embeddings(counts, 6, norm=3.0, center=center)
+        e2 = emb.hellinger_svd_embeddings(counts.copy(), 6, norm=3.0, center=center)
+        assert e1.dtype == np.float32 and e1.shape == (24, 6)
+        assert e1.tobytes() == e2.tobytes()  # deterministic, bitwise
+        np.testing.assert_allclose(np.linalg.norm(e1.astype(np.float64), axis=1), 3.0, rtol=1e-6)
+        top = np.argmax(np.abs(e1), axis=0)
+        assert np.all(e1[top, np.arange(6)] > 0)  # sign convention
+
+    # Default norm: sqrt(dim).
+    e = emb.hellinger_svd_embeddings(counts, 6)
+    np.testing.assert_allclose(np.linalg.norm(e, axis=1), np.sqrt(6), rtol=1e-6)
+
+
+def test_hellinger_svd_geometry_tracks_next_token_distributions():
+    # Tokens with the same next-token distribution (2k, 2k+1) should sit closer to each other
+    # than to other tokens.
+    counts = emb.cooccurrence_counts(_corpus(seed=1, rows=200), 24)
+    e = emb.hellinger_svd_embeddings(counts, 8, norm=1.0).astype(np.float64)
+    dist = np.linalg.norm(e[:, None] - e[None], axis=-1)
+    twin = np.array([dist[2 * k, 2 * k + 1] for k in range(12)])
+    np.fill_diagonal(dist, np.inf)
+    others = np.array([np.delete(dist[2 * k], [2 * k + 1]).min() for k in range(12)])
+    assert np.mean(twin < others) >= 0.75
+
+
+def test_baseline_embeddings():
+    for fn in (emb.gaussian_embeddings, emb.one_hot_projection_embeddings):
+        for dim in (8, 64):
+            e = fn(V, dim, 3, 2.5)
+            assert e.shape == (V, dim) and e.dtype == np.float32
+            np.testing.assert_allclose(np.linalg.norm(e, axis=1), 2.5, rtol=1e-6)
+            assert e.tobytes() == fn(V, dim, 3, 2.5).tobytes()
+    # dim >= V: projected one-hots stay pairwise orthogonal.
+    e = emb.one_hot_projection_embeddings(V, 64, 0, 1.0).astype(np.float64)
+    np.testing.assert_allclose(e @ e.T, np.eye(V), atol=1e-6)
+    with pytest.raises(ValueError):
+        emb.make_embeddings("hellinger_svd", vocab_size=V, dim=D)
+
+
+# --------------------------------------------------------------------------- singular posterior
+
+
+def brute_force_posterior(z, t, e):
+    """Bayes posterior of w under Z | w ~ N(t E[w], (1 - t)^2 I), uniform prior (float64)."""
+    z = np.asarray(z, np.float64)
+    e = np.asarray(e, np.float64)
+    d = e.shape[1]
+    sigma2 = (1.0 - t) ** 2
+    sq = np.sum((z[..., None, :] - t * e) ** 2, axis=-1)
+    logp = -sq / (2 * sigma2) - 0.5 * d * np.log(2 * np.pi * sigma2) + np.log(1.0 / e.shape[0])
+    logp -= logp.max(axis=-1, keepdims=True)
+    p = np.exp(logp)
+    return p / p.sum(axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("t", [0.05, 0.3, 0.6, 0.9])
+def test_singular_softmax_is_bayes_posterior(t):
+    rng = np.random.default_rng(7)
+    e = random_embeddings(1, norm=2.0)
+    words = rng.integers(V, size=(B, L))
+    z = t * e[words] + (1 - t) * rng.standard_normal((B, L, D))
+    z = z.astype(np.float32)
+    got = jax.nn.softmax(singular.singular_logits(z, jnp.full((B,), t), e), axis=-1)
+    np.testing.assert_allclose(np.asarray(got), brute_force_posterior(z, t, e), atol=1e-5)
+    # Scalar t broadcasts the same way.
+    got_scalar = jax.nn.softmax(singular.singular_logits(z, t, e), axis=-1)
+    np.testing.assert_allclose(np.asarray(got_scalar), np.asarray(got), atol=1e-7)
+
+
+def test_posterior_becomes_one_hot_near_t1():
+    rng = np.random.default_rng(3)
+    e = random_embeddings(2)
+    words = rng.integers(V, size=(B, L))
+    for t in (0.99, 0.999):
+        z = (t * e[words] + (1 - t) * rng.standard_normal((B, L, D))).astype(np.float32)
+        p = np.asarray(jax.nn.softmax(singular.singular_logits(z, t, e), axis=-1))
+        assert np.all(p.max(axis=-1) > 0.999)
+        np.testing.assert_array_equal(p.argmax(axis=-1), words)
+
+
+def test_posterior_logits_terms_and_bound():
+    rng = np.random.default_rng(4)
+    e = random_embeddings(3)
+    z = rng.standard_normal((B, L, D)).astype(np.float32)
+    f = 50.0 * rng.standard_normal((B, L, V)).astype(np.float32)
+    t = jnp.array([0.2, 0.5, 0.8])
+    s = singular.singular_logits(z, t, e)
+    both = singular.posterior_logits(z, t, e, f, c=3.0)
+    np.testing.assert_allclose(np.asarray(both), np.asarray(s + 3.0 * jnp.tanh(f / 3.0)), rtol=1e-6)
+    only_res = singular.posterior_logits(z, t, e, f, c=3.0, use_singular=False)
+    assert np.all(np.abs(np.asarray(only_res)) <= 3.0)
+    np.testing.assert_array_equal(np.asarray(singular.posterior_logits(z, t, e, f, c=None, use_singular=False)), f)
+    uniform = singular.posterior_logits(z, t, e, use_singular=False)
+    assert uniform.shape == (B, L, V) and not np.any(np.asarray(uniform))
+
+
+def test_flow_step_matches_manual_formula_and_clamp():
+    rng = np.random.default_rng(5)
+    e = random_embeddings(4)
+    z = rng.standard_normal((B, L, D)).astype(np.float32)
+    f = rng.standard_normal((B, L, V)).astype(np.float32)
+    t, t_next, c = jnp.array([0.1, 0.4, 0.7]), jnp.array([0.2, 0.5, 0.9]), 2.0
+    z_next, x1_hat = singular.ref_flow_step(z, t, t_next, f, e, c=c)
+
+    z64, e64, t64, tn64 = (np.asarray(a, np.float64) for a in (z, e, t, t_next))
+    logits = (t64[:, None, None] * z64 @ e64.T - 0.5 * t64[:, None, None] ** 2 * np.sum(e64**2, 1)) / (
+        (1 - t64[:, None, None]) ** 2
+    ) + c * np.tanh(f / c)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    x1 = p @ e64
+    manual = z64 + (tn64 - t64)[:, None, None] * (x1 - z64) / (1 - t64[:, None, None])
+    np.testing.assert_allclose(np.asarray(x1_hat), x1, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(z_next), manual, atol=1e-5)
+
+    # At t = 1 (and beyond the clamp) the velocity and the step stay finite.
+    for tt in (1.0, 1.0 - 1e-7):
+        v = singular.velocity(z, tt, x1_hat)
+        assert np.all(np.isfinite(np.asarray(v)))
+        zn, _ = singular.flow_step(z, tt, 1.0, f, e, c=c)
+        assert np.all(np.isfinite(np.asarray(zn)))
+    np.testing.assert_allclose(np.asarray(singular.velocity(z, 1.0, x1_hat, t_eps=1e-3)),
+                               (np.asarray(x1_hat) - z) / 1e-3, rtol=1e-5)
+
+
+def test_interpolate_and_straightness():
+    rng = np.random.default_rng(6)
+    z0 = rng.standard_normal((B, L, D)).astype(np.float32)
+    z1 = rng.standard_normal((B, L, D)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(singular.interpolate(z1, z0, 0.0)), z0)
+    np.testing.assert_array_equal(np.asarray(singular.interpolate(z1, z0, 1.0)), z1)
+    ts = jnp.linspace(0.0, 0.9, 5)
+    assert float(singular.straightness(z0, z1, lambda z, t: z1 - z0, ts)) < 1e-10
+    expected = np.mean(np.sum((z1 - z0) ** 2, -1))
+    np.testing.assert_allclose(float(singular.straightness(z0, z1, lambda z, t: jnp.zeros_like(z), ts)),
+                               expected, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- samplers
+
+
+def test_time_grids():
+    for kind in samplers.GRIDS:
+        g = np.asarray(samplers.time_grid(7, kind))
+        assert g.shape == (8,) and g.dtype == np.float32 and g[0] == 0.0 and g[-1] == 1.0
+        assert np.all(np.diff(g) > 0)
+    with pytest.raises(ValueError):
+        samplers.time_grid(4, "nope")
+
+
+def test_euler_rollout_lands_on_embeddings_only_with_singular_logits():
+    e = random_embeddings(5)
+    z0 = jax.random.normal(jax.random.key(0), (B, L, D))
+    ts = samplers.time_grid(24)
+    z, _ = samplers.euler_integrate(z0, zero_residual(), e, ts, c=5.0)
+    dist = nearest_row_distance(z, e)
+    assert np.all(dist < 1e-4), dist.max()
+
+    # Zero residual without the singular term: uniform posterior, Z_1 = the mean embedding.
+    z_off, _ = samplers.euler_integrate(z0, zero_residual(), e, ts, c=5.0, use_singular=False)
+    assert np.mean(nearest_row_distance(z_off, e) > 1e-4) > 0.9
+
+    run = functools.partial(samplers.euler_sample, jax.random.key(0), zero_residual(), e,
+                            batch=B, length=L, nfe=24, c=5.0)
+    tokens, z_sample = run()
+    toks = np.asarray(tokens)
+    np.testing.assert_array_equal(np.asarray(z_sample), e[toks])
+    # The tokens are the nearest rows of the integrated end point (same Z_0 draw).
+    np.testing.assert_array_equal(toks, np.argmin(np.linalg.norm(np.asarray(z)[..., None, :] - e, axis=-1), -1))
+    tokens_off, _ = run(use_singular=False)
+    assert tokens_off.dtype == jnp.int32 and np.all((np.asarray(tokens_off) >= 0) & (np.asarray(tokens_off) < V))
+
+
+def test_samplers_jit_compile_once():
+    e = jnp.asarray(random_embeddings(6))
+    traces = []
+
+    def residual(z, t, sc):
+        traces.append(1)
+        return 0.1 * jnp.tanh(jnp.einsum("bld,vd->blv", z + sc, e)) + t[:, None, None]
+
+    for kind, extra in (("euler", {}), ("stochastic", {"gamma": 2.0})):
+        traces.clear()
+        settings = samplers.FlowSamplerSettings(nfe=6, sampler=kind, c=5.0, guidance=1.7, **extra)
+        jitted = jax.jit(functools.partial(samplers.sample, residual_fn=residual, settings=settings, batch=B, length=L))
+        out1 = jitted(jax.random.key(1), embeddings=e)
+        out2 = jitted(jax.random.key(2), embeddings=e * 1.01)
+        jax.block_until_ready(out2)
+        assert jitted._cache_size() == 1
+        assert len(traces) == 1  # one network call site inside the scan (guidance batches both)
+        assert out1[0].shape == (B, L) and out1[0].dtype == jnp.int32
+        assert out1[1].shape == (B, L, D) and out1[1].dtype == jnp.float32
+        toks = np.asarray(out1[0])
+        assert np.all((toks >= 0) & (toks < V))
+        assert np.all(nearest_row_distance(out1[1], e) < 1e-4)
+
+
+def test_guidance_formula():
+    e = jnp.asarray(random_embeddings(7))
+
+    def residual(z, t, sc):
+        return jnp.einsum("bld,vd->blv", z, e) + 2.0 * jnp.einsum("bld,vd->blv", sc, e)
+
+    rng = np.random.default_rng(8)
+    z = jnp.asarray(rng.standard_normal((B, L, D)), jnp.float32)
+    sc = jnp.asarray(rng.standard_normal((B, L, D)), jnp.float32)
+    t = jnp.full((B,), 0.3)
+    f_sc, f0 = residual(z, t, sc), residual(z, t, jnp.zeros_like(sc))
+    np.testing.assert_allclose(np.asarray(samplers.guided_residual(residual, z, t, sc, 1.7)),
+                               np.asarray(f0 + 1.7 * (f_sc - f0)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(samplers.guided_residual(residual, z, t, sc, 1.0)),
+                                  np.asarray(f_sc))
+
+
+def test_stochastic_sampler_last_step_is_deterministic():
+    e = random_embeddings(8)
+    rng = np.random.default_rng(9)
+    z0 = jnp.asarray(rng.standard_normal((B, L, D)), jnp.float32)
+    ts = samplers.time_grid(5)
+    keys = jax.random.split(jax.random.key(3), 5)
+    other = jax.random.split(jax.random.key(4), 5)
+    run = jax.jit(lambda k: samplers.stochastic_integrate(z0, k, zero_residual(), e, ts, c=5.0, gamma=1.5,
+                                                          renoise="marginal")[0])
+    base = np.asarray(run(keys))
+    last_changed = keys.at[-1].set(other[-1])
+    np.testing.assert_array_equal(np.asarray(run(last_changed)), base)
+    first_changed = keys.at[0].set(other[0])
+    assert not np.allclose(np.asarray(run(first_changed)), base)
+
+    # gamma = 0 is exactly the Euler sampler.
+    z_euler, _ = samplers.euler_integrate(z0, zero_residual(), e, ts, c=5.0)
+    z_stoch, _ = samplers.stochastic_integrate(z0, keys, zero_residual(), e, ts, c=5.0, gamma=0.0)
+    np.testing.assert_array_equal(np.asarray(z_stoch), np.asarray(z_euler))
+
+
+
+def test_settings_validation():
+    with pytest.raises(ValueError):
+        samplers.FlowSamplerSettings(nfe=0)
+    with pytest.raises(ValueError):
+        samplers.FlowSamplerSettings(sampler="heun")
+    with pytest.raises(ValueError):
+        samplers.FlowSamplerSettings(c=0.0)
