@@ -9,6 +9,8 @@ Parses arguments and calls library functions; holds no method. Config overrides 
     relf-jax sample --workdir runs/tiny speculative.rule=nsd speculative.k=4 draft=runs/tiny/draft
     relf-jax eval --workdir runs/tiny
     relf-jax bench spec --out spec.json [--quick]
+    relf-jax train --preset tiny --workdir runs/tiny model=relf
+    relf-jax sample --workdir runs/tiny model=relf nfe=16 sampler=euler
     relf-jax demo --quick
     relf-jax info
 
@@ -19,6 +21,7 @@ On a TPU pod run the same command on every worker; JAX's multi-host runtime is s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -116,18 +119,40 @@ def _run(args) -> int:
         res = workflows.train_draft(target, rest, args.workdir)
         print(json.dumps({"workdir": res.workdir, "step": res.step, "loss": res.loss, "eval_loss": res.eval_loss}))
         return 0
-    lm = workflows.load_model(args.workdir, "ar")
-    cfg = lm.cfg
+    from relf_jax.config import ConfigError
+
+    pairs = []
     for item in args.overrides:
         if "=" not in item:
-            from relf_jax.config import ConfigError
             raise ConfigError(f"override {item!r} is not of the form key=value")
-        key, value = item.split("=", 1)
-        if not key.startswith(("sample.", "speculative.", "draft")):
-            from relf_jax.config import ConfigError
-            raise ConfigError(f"{args.command} takes only sample.*, speculative.* and draft= overrides, got {key!r}")
+        pairs.append(item.split("=", 1))
+    family = next((v for k, v in pairs if k in ("model", "model.family")), "ar")
+    lm = workflows.load_model(args.workdir, family)
+    cfg = lm.cfg
+    for key, value in pairs:
+        if key in ("model", "model.family"):
+            continue
+        if not key.startswith(("sample.", "speculative.", "draft", "flow.", "nfe", "sampler")):
+            raise ConfigError(f"{args.command} takes only sample.*, speculative.*, flow.* (nfe=, sampler=) "
+                              f"and draft= overrides, got {key!r}")
         cfg = set_value(cfg, key, value)
     cfg.validate()
+    if family == "relf":
+        lm = dataclasses.replace(lm, cfg=cfg)
+        s = workflows.sample_relf(lm, cfg.sample.num_samples, batch_size=cfg.sample.batch_size,
+                                  seed=cfg.sample.seed, warmup=False)
+        if args.command == "sample":
+            for text in s.texts:
+                print(text)
+            print(f"[{len(s.texts)} sequences, {cfg.flow.nfe} network calls each ({cfg.flow.sampler}), "
+                  f"{s.tokens_per_s:,.1f} tokens/s]", file=sys.stderr)
+            return 0
+        judge = workflows.exact_judge(cfg) if args.judge == "exact" else workflows.model_judge(args.judge)
+        out = {**workflows.evaluate_samples(s, judge), "nfe": cfg.flow.nfe, "step": lm.step}
+        print(json.dumps(out, indent=2))
+        if args.out:
+            workflows.write_json(args.out, out)
+        return 0
     if args.command == "sample":
         if args.stream:
             if cfg.speculative.rule != "none":

@@ -32,7 +32,7 @@ class ConfigError(UserError):
 class ModelConfig:
     """Network shape. `vocab_size` 0 means: take it from the tokenizer."""
 
-    family: Literal["ar"] = "ar"
+    family: Literal["ar", "relf"] = "ar"
     vocab_size: int = 0
     d_model: int = 128
     num_layers: int = 4
@@ -46,6 +46,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
+    flow_embed_dim: int = 32  # relf: width of the fixed token embeddings (paper's best: 32)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -102,6 +103,26 @@ class SampleConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class FlowConfig:
+    """ReLF (rectified language flow) training and sampling settings; see relf_jax/flow."""
+
+    embeddings: Literal["hellinger", "gaussian", "one_hot"] = "hellinger"
+    embed_norm: float = 0.0  # row norm of the fixed embeddings; 0: sqrt(model.flow_embed_dim)
+    smoothing: float = 1e-3  # added to co-occurrence counts (Hellinger-SVD)
+    residual_bound: float = 10.0  # c in c * tanh(f / c)
+    use_singular: bool = True  # False: the ablation without singular logits
+    t_eps: float = 1e-4
+    t_distribution: Literal["uniform", "logit_normal"] = "uniform"
+    self_condition_prob: float = 0.5
+    loss: Literal["ce", "mse"] = "ce"
+    nfe: int = 16
+    sampler: Literal["euler", "stochastic"] = "euler"
+    grid: Literal["uniform", "cosine", "late"] = "uniform"
+    guidance: float = 1.0
+    gamma: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding at sampling time. rule "none" samples autoregressively."""
 
@@ -132,6 +153,7 @@ class Config:
     train: TrainConfig = TrainConfig()
     sample: SampleConfig = SampleConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    flow: FlowConfig = FlowConfig()
     mesh: MeshConfig = MeshConfig()
 
     def validate(self) -> "Config":
@@ -158,6 +180,10 @@ class Config:
         validate_sampling(s.temperature, s.top_k, s.top_p)
         _check(s.num_samples > 0 and s.batch_size > 0 and s.max_new_tokens > 0,
                "sample.num_samples, sample.batch_size and sample.max_new_tokens must be > 0")
+        fl = self.flow
+        _check(fl.residual_bound > 0 and fl.t_eps > 0 and fl.nfe >= 1 and fl.embed_norm >= 0,
+               "flow.residual_bound, flow.t_eps, flow.nfe must be > 0 and flow.embed_norm >= 0")
+        _check(0 <= fl.self_condition_prob <= 1, "flow.self_condition_prob must be in [0, 1]")
         sp = self.speculative
         _check(sp.k >= 1, f"speculative.k must be >= 1, got {sp.k}")
         _check(0 < sp.nsd_top_p <= 1, f"speculative.nsd_top_p must be in (0, 1], got {sp.nsd_top_p}")
@@ -232,7 +258,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 # Short spellings accepted on the command line.
-ALIASES = {"model": "model.family", "draft": "speculative.draft"}
+ALIASES = {"model": "model.family", "draft": "speculative.draft", "nfe": "flow.nfe", "sampler": "flow.sampler"}
 
 
 def make_config(preset: str = "cpu", overrides: Optional[list[str] | dict[str, Any]] = None,

@@ -70,7 +70,12 @@ def prepare_tokenizer(cfg: Config, builder) -> Tokenizer:
 
 
 def train_lm(cfg: Config, *, mesh=None) -> TrainResult:
-    """Prepare data and tokenizer, then train (or resume) the AR model of `cfg` in its workdir."""
+    """Prepare data and tokenizer, then train (or resume) the model of `cfg` in its workdir.
+
+    ``cfg.model.family`` picks the recipe: "ar" (next-token loss) or "relf" (`train_relf`).
+    """
+    if cfg.model.family == "relf":
+        return train_relf(cfg, mesh=mesh)
     builder = prepare_data(cfg)
     tok = prepare_tokenizer(cfg, builder)
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size)
@@ -83,6 +88,117 @@ def train_lm(cfg: Config, *, mesh=None) -> TrainResult:
     return train(cfg, model_cfg, next_token_loss, data, eval_data=evals,
                  workdir=os.path.join(cfg.workdir, model_cfg.family), mesh=mesh,
                  tokenizer_bytes=tok.to_bytes())
+
+
+EMBEDDINGS_FILE = "embeddings.npy"
+EMBEDDING_DOCS = 20_000
+
+
+def flow_embeddings(cfg: Config, builder, tok: Tokenizer, model_dir: str) -> np.ndarray:
+    """The fixed ReLF token embeddings [V, d]: loaded from `model_dir`, or built and saved there.
+
+    Hellinger-SVD uses next-token co-occurrences of (up to 20k) training documents.
+    """
+    from relf_jax.flow import embeddings as emb
+
+    path = os.path.join(model_dir, EMBEDDINGS_FILE)
+    if os.path.exists(path):
+        return np.load(path)
+    v, d = tok.vocab_size, cfg.model.flow_embed_dim
+    norm = cfg.flow.embed_norm or None
+    if cfg.flow.embeddings == "hellinger":
+        rows = [[tok.bos_id] + tok.encode(t) + [tok.eos_id]
+                for t in itertools.islice(sources.iter_texts(builder, "train"), EMBEDDING_DOCS)]
+        table = emb.hellinger_svd_embeddings(emb.cooccurrence_counts(rows, v), d, smoothing=cfg.flow.smoothing,
+                                             norm=norm)
+    elif cfg.flow.embeddings == "gaussian":
+        table = emb.gaussian_embeddings(v, d, seed=cfg.train.seed, norm=norm)
+    else:
+        table = emb.one_hot_projection_embeddings(v, d, seed=cfg.train.seed, norm=norm)
+    if jax.process_index() == 0:
+        os.makedirs(model_dir, exist_ok=True)
+        np.save(path, table)
+    return table
+
+
+def flow_loss_settings(cfg: Config):
+    from relf_jax.flow.losses import FlowLossSettings
+
+    f = cfg.flow
+    return FlowLossSettings(residual_bound=f.residual_bound, use_singular=f.use_singular, t_eps=f.t_eps,
+                            t_distribution=f.t_distribution, self_condition_prob=f.self_condition_prob,
+                            loss=f.loss)
+
+
+def train_relf(cfg: Config, *, mesh=None) -> TrainResult:
+    """Train (or resume) a ReLF flow model: fixed embeddings + the CE flow loss, same train loop."""
+    from relf_jax.flow.losses import make_flow_loss
+
+    builder = prepare_data(cfg)
+    tok = prepare_tokenizer(cfg, builder)
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size)
+    cfg = dataclasses.replace(cfg, model=model_cfg)
+    model_dir = os.path.join(cfg.workdir, "relf")
+    table = flow_embeddings(cfg, builder, tok, model_dir)
+    d, t = cfg.data, cfg.train
+    data = pipeline.make_iterator(builder, "train", tok, seq_len=d.seq_len, batch_size=t.batch_size, seed=t.seed)
+    evals = pipeline.eval_batches(builder, "validation", tok, seq_len=d.seq_len, batch_size=t.batch_size,
+                                  max_batches=t.eval_batches)
+    return train(cfg, model_cfg, make_flow_loss(flow_loss_settings(cfg)), data, eval_data=evals,
+                 workdir=model_dir, mesh=mesh, tokenizer_bytes=tok.to_bytes(),
+                 frozen={"embeddings": jax.numpy.asarray(table)}, extra_meta={"embeddings": EMBEDDINGS_FILE})
+
+
+def sample_relf(lm: "LoadedModel", n: int, *, nfe: Optional[int] = None, sampler: Optional[str] = None,
+                guidance: Optional[float] = None, length: Optional[int] = None, batch_size: Optional[int] = None,
+                seed: int = 0, warmup: bool = True) -> "Samples":
+    """Whole sequences from a ReLF model: `nfe` network calls each, all positions in parallel.
+
+    Sampler settings default to the model's ``cfg.flow``; length to ``data.seq_len``.
+    """
+    from relf_jax.flow.samplers import FlowSamplerSettings, sample as flow_sample
+
+    f = lm.cfg.flow
+    settings = FlowSamplerSettings(nfe=nfe or f.nfe, grid=f.grid, sampler=sampler or f.sampler,
+                                   c=f.residual_bound, guidance=f.guidance if guidance is None else guidance,
+                                   use_singular=f.use_singular, t_eps=f.t_eps, gamma=f.gamma)
+    table = jax.numpy.asarray(np.load(os.path.join(lm.model_dir, EMBEDDINGS_FILE)))
+    length = length or lm.cfg.data.seq_len
+    bs = batch_size or lm.cfg.sample.batch_size
+    graphdef = lm.graphdef
+
+    @jax.jit
+    def run(params, key, table):
+        from flax import nnx
+
+        def residual(z, t, sc):
+            return nnx.merge(graphdef, params)(z, sc, t)
+
+        return flow_sample(key, residual, table, settings, batch=bs, length=length)[0]
+
+    tok = lm.tokenizer
+    key = jax.random.key(seed)
+    texts, token_ids, complete, seconds, total = [], [], [], 0.0, 0
+    for start in range(0, n, bs):
+        key, sub = jax.random.split(key)
+        if warmup and start == 0:
+            jax.block_until_ready(run(lm.params, sub, table))
+        t0 = time.perf_counter()
+        out = np.asarray(jax.block_until_ready(run(lm.params, sub, table)))
+        seconds += time.perf_counter() - t0
+        for row in out[: min(bs, n - start)]:
+            ids = row.tolist()
+            if ids and ids[0] == tok.bos_id:
+                ids = ids[1:]
+            done = tok.eos_id in ids
+            body = ids[: ids.index(tok.eos_id)] if done else ids
+            body = [i for i in body if i not in (tok.pad_id, tok.bos_id)]
+            total += len(body) + int(done)
+            token_ids.append(body)
+            complete.append(done)
+            texts.append(tok.decode(body))
+    return Samples(texts=texts, token_ids=token_ids, complete=complete, seconds=seconds, tokens=total,
+                   target_forwards=settings.nfe * len(texts))
 
 
 def draft_defaults(target: ModelConfig) -> list[str]:
@@ -139,6 +255,7 @@ class LoadedModel:
     params: object
     tokenizer: Tokenizer
     step: int
+    model_dir: str = ""
 
 
 def latest_meta(model_dir: str) -> dict:
@@ -168,7 +285,7 @@ def load_model(workdir: str, family: str = "ar") -> LoadedModel:
     if tok_bytes is None:
         raise UserError(f"the checkpoint in {model_dir} carries no tokenizer")
     return LoadedModel(cfg=cfg, model_cfg=model_cfg, graphdef=graphdef, params=params,
-                       tokenizer=Tokenizer(tok_bytes), step=int(meta["step"]))
+                       tokenizer=Tokenizer(tok_bytes), step=int(meta["step"]), model_dir=model_dir)
 
 
 @dataclasses.dataclass

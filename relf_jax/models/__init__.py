@@ -7,8 +7,9 @@ from flax import nnx
 
 from relf_jax.config import ModelConfig
 from relf_jax.models.causal_lm import CausalLM
+from relf_jax.models.flow_lm import FlowLM
 
-FAMILIES = {"ar": CausalLM}
+FAMILIES = {"ar": CausalLM, "relf": FlowLM}
 
 
 def build_model(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:

@@ -1,0 +1,77 @@
+"""The ReLF network: a bidirectional transformer over noisy token embeddings.
+
+Network only: it maps (Z_t, self-conditioning input, t) to *residual* logits f over the
+vocabulary. The singular logits, the bound c * tanh(f / c), the posterior, X1_hat and the
+velocity live in `relf_jax.flow`.
+
+Inputs: z, sc [B, L, d_emb] (d_emb = the fixed embedding width, e.g. 32), t [B] in [0, 1].
+z and sc are projected to the model width and added; t enters every block through adaLN
+conditioning (a sinusoidal embedding followed by an MLP). Attention is bidirectional.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from relf_jax.config import ModelConfig
+from relf_jax.models.causal_lm import DTYPES
+from relf_jax.models.layers import RMSNorm, TransformerBlock, bidirectional_mask, make_param
+from relf_jax.sharding import constrain
+
+TIME_FEATURES = 64
+
+
+def time_features(t: jax.Array, dim: int = TIME_FEATURES) -> jax.Array:
+    """Sinusoidal features of t in [0, 1]: [B] -> [B, dim]."""
+    half = dim // 2
+    freqs = jnp.exp(-math.log(10_000.0) * jnp.arange(half, dtype=jnp.float32) / half)
+    angles = (1000.0 * t.astype(jnp.float32))[:, None] * freqs[None, :]
+    return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+
+
+class FlowLM(nnx.Module):
+    """Residual-logit network of a rectified language flow (ReLF)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        if cfg.vocab_size <= 0:
+            raise ValueError("ModelConfig.vocab_size must be set (from the tokenizer) before building a model")
+        if cfg.flow_embed_dim <= 0:
+            raise ValueError("ModelConfig.flow_embed_dim must be > 0 for the relf family")
+        self.cfg = cfg
+        dtype, pdtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
+        self.dtype = dtype
+        d_emb, d = cfg.flow_embed_dim, cfg.d_model
+        init = jax.nn.initializers.normal(stddev=d_emb ** -0.5)
+        self.in_z = make_param(rngs, init, (d_emb, d), (None, "embed"), pdtype)
+        self.in_sc = make_param(rngs, init, (d_emb, d), (None, "embed"), pdtype)
+        self.time_in = make_param(rngs, jax.nn.initializers.normal(stddev=TIME_FEATURES ** -0.5),
+                                  (TIME_FEATURES, d), (None, "embed"), pdtype)
+        self.time_out = make_param(rngs, jax.nn.initializers.normal(stddev=d ** -0.5), (d, d),
+                                   ("embed", None), pdtype)
+        self.blocks = nnx.List([
+            TransformerBlock(d, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim,
+                             rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps, cond_dim=d, rngs=rngs,
+                             dtype=dtype, param_dtype=pdtype)
+            for _ in range(cfg.num_layers)
+        ])
+        self.final_norm = RMSNorm(d, eps=cfg.norm_eps, rngs=rngs, param_dtype=pdtype)
+        self.out = make_param(rngs, jax.nn.initializers.zeros, (d, cfg.vocab_size), ("embed", "vocab"), pdtype)
+
+    def __call__(self, z: jax.Array, sc: jax.Array, t: jax.Array) -> jax.Array:
+        """Residual logits [B, L, V] (float32) for noisy embeddings z, self-conditioning sc, time t."""
+        b, length, _ = z.shape
+        dt = self.dtype
+        x = (z.astype(dt) @ self.in_z[...].astype(dt)) + (sc.astype(dt) @ self.in_sc[...].astype(dt))
+        x = constrain(x, ("batch", "length", "embed"))
+        cond = jax.nn.silu(time_features(t) @ self.time_in[...].astype(jnp.float32))
+        cond = cond @ self.time_out[...].astype(jnp.float32)
+        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+        mask = bidirectional_mask(jnp.ones((b, length), bool), length)
+        for block in self.blocks:
+            x, _ = block(x, positions, mask, cond=cond)
+        x = self.final_norm(x).astype(jnp.float32)
+        return constrain(x @ self.out[...].astype(jnp.float32), ("batch", "length", "vocab"))
