@@ -10,6 +10,8 @@ Near t = 1 the logits are ~1e6 with gaps of the same order: the posterior is one
 the online softmax must drop the earlier tiles exactly (exp(m_old - m_new) underflows to 0).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,7 +32,7 @@ def _problem(seed, dtype, t, t_next, *, v=V, d=D, b=B, l=L):
     tb = tb.reshape(tb.shape + (1,) * (3 - tb.ndim))  # scalar / [B] / [B, L] -> broadcasts
     z = tb * e[tokens] + (1.0 - tb) * rng.standard_normal((b, l, d))
     f = 3.0 * rng.standard_normal((b, l, v))
-    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    cast = lambda x: jnp.asarray(x, dtype)
     return (cast(z), cast(f), jnp.asarray(e, jnp.float32), jnp.asarray(t, jnp.float32),
             jnp.asarray(t_next, jnp.float32))
 
@@ -108,7 +110,7 @@ class TestFlowStepKernel:
 
     def test_rejects_bad_inputs(self):
         z, f, e, t, t_next = _problem(0, jnp.float32, [0.1, 0.2], [0.2, 0.3])
-        run = functools_partial(kf.flow_step, interpret=True, block_sizes=BLOCKS)
+        run = functools.partial(kf.flow_step, interpret=True, block_sizes=BLOCKS)
         with pytest.raises(ValueError, match="residual_logits"):
             run(z, f[..., :5], e, t, t_next, c=1.0)
         with pytest.raises(ValueError, match="embeddings"):
@@ -123,10 +125,6 @@ class TestFlowStepKernel:
             run(z, f, e, t, t_next, c=0.0)
         with pytest.raises(ValueError, match="block_v"):
             kf.BlockSizes(block_rows=4, block_v=0)
-
-
-def functools_partial(fn, **fixed):
-    return lambda *a, **k: fn(*a, **fixed, **k)
 
 
 class TestFlowStepKernelInterpret(TestFlowStepKernel):

@@ -71,3 +71,24 @@ def test_relf_cli_train_and_sample(tmp_path, capsys):
     assert main(["sample", "--workdir", wd, "model=relf", "nfe=4", "sampler=stochastic", "sample.num_samples=2",
                  "sample.batch_size=2"]) == 0
     assert "network calls" in capsys.readouterr().err
+
+
+def test_one_reflow_round_lowers_straightness(tmp_path):
+    from relf_jax.flow.reflow import PairBatches, make_reflow_loss, measure_straightness, rollout_pairs
+
+    cfg = _cfg("train.steps=60")
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=61)
+    table = jnp.asarray(gaussian_embeddings(61, 8, seed=0))
+    settings = FlowLossSettings(residual_bound=10.0)
+    base = train(cfg, model_cfg, make_flow_loss(settings), CountingBatches(), workdir=str(tmp_path / "base"),
+                 tensorboard=False, frozen={"embeddings": table})
+    z0, toks = rollout_pairs(base.graphdef, base.params, table, jax.random.key(7), n=64, length=32,
+                             settings=settings, nfe=32, batch=16)
+    before = measure_straightness(base.graphdef, base.params, table, z0, toks, settings=settings)
+    cfg2 = _cfg("train.steps=150", "train.learning_rate=3e-3")
+    round1 = train(cfg2, model_cfg, make_reflow_loss(settings, data_weight=0.2),
+                   PairBatches(z0, toks, CountingBatches(), batch_size=8), workdir=str(tmp_path / "r1"),
+                   tensorboard=False, frozen={"embeddings": table}, init_params=base.params)
+    after = measure_straightness(round1.graphdef, round1.params, table, z0, toks, settings=settings)
+    print(f"straightness before {before:.3f} after {after:.3f}")
+    assert after < 0.9 * before, (before, after)

@@ -167,13 +167,15 @@ def put_batch(batch: dict, mesh) -> dict:
 def train(cfg: Config, model_cfg: ModelConfig, loss_fn: LossFn, data: Iterator[dict], *,
           eval_data: Iterable[dict] = (), workdir: Optional[str] = None, mesh=None,
           tokenizer_bytes: Optional[bytes] = None, extra_meta: Optional[dict] = None,
-          tensorboard: bool = True, frozen: Any = None) -> TrainResult:
+          tensorboard: bool = True, frozen: Any = None, init_params: Any = None) -> TrainResult:
     """Train `model_cfg` on `data` for ``cfg.train.steps`` steps, resuming from `workdir`.
 
     data: an iterator of numpy batches (grain iterators' ``get_state``/``set_state`` are used
     for checkpointing when present); eval_data: a few fixed batches for the eval loss.
     frozen: optional untrained inputs of the loss (``loss_fn(model, batch, key, frozen)``),
     e.g. a teacher's parameters; sharded by their logical axes like the parameters.
+    init_params: start from these parameters (fresh optimizer) instead of a random init when
+    `workdir` has no checkpoint yet, e.g. the previous reflow round's model.
     """
     tc = cfg.train
     workdir = os.path.abspath(workdir or cfg.workdir)
@@ -199,6 +201,10 @@ def train(cfg: Config, model_cfg: ModelConfig, loss_fn: LossFn, data: Iterator[d
     else:
         step, resumed_from = 0, None
         params, opt_state = init_state(plan, model_cfg, jax.random.key(tc.seed))
+        if init_params is not None:
+            params = jax.device_put(init_params, plan.param_shardings)
+            with jax.set_mesh(mesh):
+                opt_state = jax.jit(plan.tx.init, out_shardings=plan.opt_shardings)(params)
 
     writer = MetricsWriter(workdir, tensorboard=tensorboard)
     eval_batches = [put_batch(b, mesh) for b in eval_data]

@@ -1,0 +1,132 @@
+"""Regularised reflow: straighten a trained ReLF model on its own (noise, tokens) coupling.
+
+One round:
+1. roll the model out from Z_0 ~ N(0, I) with many Euler steps to tokens w_hat (`rollout_pairs`);
+2. retrain on pairs with Z_t = t E[w_hat] + (1 - t) Z_0 and cross-entropy towards w_hat,
+   plus `data_weight` (lambda) times the ordinary data loss so the model does not drift from
+   the data distribution ("regularised", our reading of methods.md) (`make_reflow_loss`);
+3. measure straightness E || (Z_1 - Z_0) - v(Z_t, t) ||^2 on the coupling before and after
+   (`measure_straightness`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from relf_jax.flow.losses import FlowLossSettings, flow_inputs, make_flow_loss, sample_times
+from relf_jax.flow.samplers import euler_integrate, final_tokens, time_grid
+from relf_jax.flow.singular import (interpolate, posterior_logits, posterior_mean, straightness,
+                                    velocity)
+
+
+def _residual_fn(graphdef, params):
+    return lambda z, t, sc: nnx.merge(graphdef, params)(z, sc, t)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings", "nfe", "length", "batch"))
+def _rollout(graphdef, params, embeddings, key, *, settings: FlowLossSettings, nfe: int, length: int, batch: int):
+    z0 = jax.random.normal(key, (batch, length, embeddings.shape[1]), jnp.float32)
+    fn = _residual_fn(graphdef, params)
+    z1, x1_hat = euler_integrate(z0, fn, embeddings, time_grid(nfe), c=settings.residual_bound,
+                                 use_singular=settings.use_singular, t_eps=settings.t_eps)
+    tokens = final_tokens(fn, z1, x1_hat, embeddings, c=settings.residual_bound,
+                          use_singular=settings.use_singular, t_eps=settings.t_eps)
+    return z0, tokens
+
+
+def rollout_pairs(graphdef, params, embeddings, key, *, n: int, length: int, settings: FlowLossSettings,
+                  nfe: int = 64, batch: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """(Z_0 [n, L, d] float32, tokens [n, L] int32): the model's own deterministic coupling."""
+    z0s, toks = [], []
+    for i in range(0, n, batch):
+        z0, tok = _rollout(graphdef, params, embeddings, jax.random.fold_in(key, i), settings=settings, nfe=nfe,
+                           length=length, batch=batch)
+        z0s.append(np.asarray(z0))
+        toks.append(np.asarray(tok))
+    return np.concatenate(z0s)[:n], np.concatenate(toks)[:n]
+
+
+def measure_straightness(graphdef, params, embeddings, z0, tokens, *, settings: FlowLossSettings,
+                         num_times: int = 8) -> float:
+    """E || (E[w_hat] - Z_0) - v(Z_t, t) ||^2 on the straight path of each pair (sc = 0)."""
+    embeddings = jnp.asarray(embeddings, jnp.float32)
+
+    @jax.jit
+    def run(params, z0, tokens):
+        fn = _residual_fn(graphdef, params)
+
+        def v_fn(z, t):
+            logits = posterior_logits(z, t, embeddings, fn(z, t, jnp.zeros_like(z)), c=settings.residual_bound,
+                                      use_singular=settings.use_singular, t_eps=settings.t_eps)
+            return velocity(z, t, posterior_mean(jax.nn.softmax(logits, -1), embeddings), settings.t_eps)
+
+        ts = (jnp.arange(num_times, dtype=jnp.float32) + 0.5) / num_times
+        return straightness(z0, jnp.take(embeddings, tokens, axis=0), v_fn, ts)
+
+    return float(run(params, jnp.asarray(z0), jnp.asarray(tokens)))
+
+
+def make_reflow_loss(settings: FlowLossSettings, data_weight: float = 0.2):
+    """loss_fn(model, batch, key, frozen): CE on reflow pairs (batch["z0"], batch["pair_tokens"])
+    + data_weight * the data flow loss on batch["tokens"] (regularisation, our reading)."""
+    data_loss = make_flow_loss(settings)
+    s = settings
+
+    def loss_fn(model, batch, key, frozen):
+        embeddings = frozen["embeddings"].astype(jnp.float32)
+        k_pair, k_sc, k_data = jax.random.split(key, 3)
+        tokens = batch["pair_tokens"]
+        z0 = batch["z0"].astype(jnp.float32)
+        t = sample_times(k_pair, tokens.shape[0], s.t_distribution)
+        z = interpolate(jnp.take(embeddings, tokens, axis=0), z0, t)
+
+        def logits_of(sc):
+            return posterior_logits(z, t, embeddings, model(z, sc, t), c=s.residual_bound,
+                                    use_singular=s.use_singular, t_eps=s.t_eps)
+
+        zeros = jnp.zeros_like(z)
+        guess = posterior_mean(jax.nn.softmax(jax.lax.stop_gradient(logits_of(zeros)), -1), embeddings)
+        use_sc = jax.random.bernoulli(k_sc, s.self_condition_prob, (tokens.shape[0], 1, 1))
+        logp = jax.nn.log_softmax(logits_of(jnp.where(use_sc, guess, zeros)), -1)
+        pair_ce = -jnp.take_along_axis(logp, tokens[..., None], -1).mean()
+        total, aux = pair_ce, {"pair_ce": pair_ce}
+        if data_weight > 0:
+            d_loss, d_aux = data_loss(model, batch, k_data, frozen)
+            total = total + data_weight * d_loss
+            aux.update(data_ce=d_aux["ce"], tokens=d_aux["tokens"])
+        return total, aux
+
+    return loss_fn
+
+
+class PairBatches:
+    """Reflow batches: random pairs (seeded, resumable) zipped with a data iterator's batches."""
+
+    def __init__(self, z0: np.ndarray, tokens: np.ndarray, data, batch_size: int, seed: int = 0):
+        self.z0, self.tokens, self.data, self.batch_size, self.seed, self.i = z0, tokens, data, batch_size, seed, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        idx = np.random.default_rng((self.seed, self.i)).integers(0, len(self.tokens), self.batch_size)
+        self.i += 1
+        out = dict(next(self.data))
+        out["z0"], out["pair_tokens"] = self.z0[idx], self.tokens[idx]
+        return out
+
+    def get_state(self):
+        return {"i": self.i, "data": self.data.get_state() if hasattr(self.data, "get_state") else None}
+
+    def set_state(self, state):
+        self.i = int(state["i"])
+        if state.get("data") is not None and hasattr(self.data, "set_state"):
+            self.data.set_state(state["data"])
+
+
+__all__ = ["PairBatches", "make_reflow_loss", "measure_straightness", "rollout_pairs", "flow_inputs"]
