@@ -53,8 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--quick", action="store_true", help="tiny preset, about 2 minutes")
     d.add_argument("--workdir", default=None)
 
-    b = sub.add_parser("bench", help="long measurements written as JSON (bench spec | verify | latency)")
-    b.add_argument("which", choices=["spec", "verify", "latency"])
+    b = sub.add_parser("bench", help="long measurements written as JSON (bench spec | verify | latency | flowstep)")
+    b.add_argument("which", choices=["spec", "verify", "latency", "flowstep"])
     b.add_argument("--out", required=True, help="JSON file to write")
     b.add_argument("--quick", action="store_true", help="tiny preset, a few minutes")
     b.add_argument("--workdir", default=None, help="where models are trained / cached")

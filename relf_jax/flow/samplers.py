@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from relf_jax.flow.singular import DEFAULT_T_EPS, flow_step, posterior_logits
+from relf_jax.flow.singular import DEFAULT_T_EPS, posterior_logits
+from relf_jax.flow.step import fused_flow_step
 
 ResidualFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -200,8 +201,8 @@ def _integrate(z0, residual_fn, embeddings, ts, step_keys, *, c, guidance, use_s
             t = a * t
         tb = jnp.full((batch,), t, jnp.float32)
         f = guided_residual(residual_fn, z, tb, sc, guidance)
-        z_next, x1_hat = flow_step(z, tb, jnp.full((batch,), t_to, jnp.float32), f, embeddings,
-                                   c=c, use_singular=use_singular, t_eps=t_eps)
+        z_next, x1_hat = fused_flow_step(z, tb, jnp.full((batch,), t_to, jnp.float32), f, embeddings,
+                                         c=c, use_singular=use_singular, t_eps=t_eps)
         return (z_next, x1_hat), None
 
     keys = step_keys if stochastic else jnp.zeros((t_now.shape[0],), jnp.uint32)
