@@ -4,7 +4,12 @@ import dataclasses
 import os
 import sys
 
+import jax
 import pytest
+
+# Tests compare code paths (cache vs recompute, kernel vs reference) to 1e-5; on GPU/TPU the
+# default float32 matmul precision is lower (TF32/bf16 passes), so pin it for the suite.
+jax.config.update("jax_default_matmul_precision", "highest")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
