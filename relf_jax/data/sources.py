@@ -51,6 +51,18 @@ def holdout_split(docs: Sequence[T], every: int = VALIDATION_EVERY) -> tuple[lis
     return train, [docs[i] for i in held]
 
 
+class TextSplits:
+    """Mixin for the text builders: `holdout_split` documents into train/validation examples."""
+
+    def _text_splits(self, docs: Sequence[str]) -> dict:
+        train, validation = holdout_split(docs)
+        return {"train": self._generate_examples(train), "validation": self._generate_examples(validation)}
+
+    def _generate_examples(self, docs: Sequence[str]):
+        for i, doc in enumerate(docs):
+            yield i, {"text": doc}
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__

@@ -21,7 +21,7 @@ import re
 
 import tensorflow_datasets as tfds
 
-from relf_jax.data.sources import DataError, holdout_split
+from relf_jax.data.sources import DataError, TextSplits
 
 _PUNCT = re.compile(r"([^\w\s'])")
 _STRAIGHT_QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"'})
@@ -69,7 +69,7 @@ def read_conversations() -> list[str]:
     return docs
 
 
-class Chatterbot(tfds.core.GeneratorBasedBuilder):
+class Chatterbot(TextSplits, tfds.core.GeneratorBasedBuilder):
     """English chatterbot-corpus dialogs; the config name carries the corpus version."""
 
     VERSION = tfds.core.Version("1.0.0")
@@ -86,12 +86,4 @@ class Chatterbot(tfds.core.GeneratorBasedBuilder):
 
     def _split_generators(self, dl_manager):
         del dl_manager  # The corpus ships inside the pip package.
-        train, validation = holdout_split(read_conversations())
-        return {
-            "train": self._generate_examples(train),
-            "validation": self._generate_examples(validation),
-        }
-
-    def _generate_examples(self, docs):
-        for i, doc in enumerate(docs):
-            yield i, {"text": doc}
+        return self._text_splits(read_conversations())

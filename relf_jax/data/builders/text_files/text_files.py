@@ -30,7 +30,7 @@ import re
 
 import tensorflow_datasets as tfds
 
-from relf_jax.data.sources import DataError, holdout_split
+from relf_jax.data.sources import DataError, TextSplits
 
 SUFFIXES = (".txt", ".jsonl")
 ROLES = ("user", "assistant")
@@ -144,7 +144,7 @@ def read_documents(file: str) -> list[str]:
     return docs
 
 
-class TextFiles(tfds.core.GeneratorBasedBuilder):
+class TextFiles(TextSplits, tfds.core.GeneratorBasedBuilder):
     """The user's ``.txt`` / ``.jsonl`` files; build the config with ``text_files_config``."""
 
     VERSION = tfds.core.Version("1.0.0")
@@ -162,12 +162,4 @@ class TextFiles(tfds.core.GeneratorBasedBuilder):
         docs = [doc for file in files for doc in read_documents(file)]
         if not docs:
             raise DataError(f"text_files: no documents in {', '.join(files)}")
-        train, validation = holdout_split(docs)
-        return {
-            "train": self._generate_examples(train),
-            "validation": self._generate_examples(validation),
-        }
-
-    def _generate_examples(self, docs):
-        for i, doc in enumerate(docs):
-            yield i, {"text": doc}
+        return self._text_splits(docs)
