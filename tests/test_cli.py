@@ -111,3 +111,15 @@ def test_console_script_entry_point(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "experiments.launch", "train", "--preset", "nope"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown preset" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_eval_with_a_model_judge_and_exact_judge_error(capsys, cb_run, tmp_path):
+    out = tmp_path / "eval.json"
+    rc, stdout, _ = _run(capsys, "eval", "--workdir", cb_run, "--judge", cb_run, "--out", str(out),
+                         "sample.num_samples=2", "sample.batch_size=2", "sample.max_new_tokens=8")
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["judge"] == "model" and result["gen_ppl"] > 1 and result["entropy"] >= 0
+    assert result["validation_loss"] > 0 and result["step"] == 10
+    rc, _, err = _run(capsys, "eval", "--workdir", cb_run, "sample.num_samples=2")
+    _one_line_error(rc, err, "exact judge needs data.source=synthetic_chat")
