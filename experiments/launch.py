@@ -10,7 +10,8 @@ Parses arguments and calls library functions; holds no method. Config overrides 
     relf-jax eval --workdir runs/tiny
     relf-jax bench spec --out spec.json [--quick]
     relf-jax train --preset tiny --workdir runs/tiny model=relf
-    relf-jax sample --workdir runs/tiny model=relf nfe=16 sampler=euler
+    relf-jax reflow --workdir runs/tiny --rounds 2
+    relf-jax sample --workdir runs/tiny/relf_reflow2 model=relf nfe=16 sampler=euler
     relf-jax demo --quick
     relf-jax info
 
@@ -38,6 +39,13 @@ def _parser() -> argparse.ArgumentParser:
     td = sub.add_parser("train-draft", help="distil a small draft model from a trained target")
     td.add_argument("--target", default=None, help="the target's run directory (or target=DIR)")
     td.add_argument("--workdir", default=None, help="where the draft goes (default <target>/draft)")
+
+    rf = sub.add_parser("reflow", help="regularised reflow rounds of a trained ReLF model")
+    rf.add_argument("--workdir", required=True, help="run directory holding relf/")
+    rf.add_argument("--rounds", type=int, default=2)
+    rf.add_argument("--pairs", type=int, default=512, help="rollout pairs per round")
+    rf.add_argument("--steps", type=int, default=None, help="train steps per round (default train.steps)")
+    rf.add_argument("--data-weight", type=float, default=0.2, help="lambda: weight of the data loss")
 
     s = sub.add_parser("sample", help="sample from a trained checkpoint")
     s.add_argument("--workdir", required=True)
@@ -104,6 +112,13 @@ def _run(args) -> int:
         res = workflows.train_lm(cfg)
         print(json.dumps({"workdir": res.workdir, "step": res.step, "loss": res.loss, "eval_loss": res.eval_loss,
                           "resumed_from": res.resumed_from}))
+        return 0
+    if args.command == "reflow":
+        if args.rounds < 1 or args.pairs < 1 or not 0 <= args.data_weight:
+            from relf_jax.config import ConfigError
+            raise ConfigError("reflow needs --rounds >= 1, --pairs >= 1 and --data-weight >= 0")
+        print(json.dumps(workflows.reflow(args.workdir, args.rounds, num_pairs=args.pairs, steps=args.steps,
+                                          data_weight=args.data_weight), indent=2))
         return 0
     if args.command == "train-draft":
         target = args.target

@@ -201,6 +201,49 @@ def sample_relf(lm: "LoadedModel", n: int, *, nfe: Optional[int] = None, sampler
                    target_forwards=settings.nfe * len(texts))
 
 
+def reflow(workdir: str, rounds: int = 2, *, num_pairs: int = 512, rollout_nfe: int = 64,
+           steps: Optional[int] = None, data_weight: float = 0.2, mesh=None) -> list[dict]:
+    """Regularised reflow of the ReLF model in ``<workdir>/relf``: `rounds` rounds, each trained
+    (resumably) in ``<workdir>/relf_reflow<r>`` from the previous round's parameters.
+
+    Returns and writes (``<workdir>/reflow.json``) the straightness of each round's coupling
+    before and after training on it.
+    """
+    import shutil
+
+    from relf_jax.flow.reflow import PairBatches, make_reflow_loss, measure_straightness, rollout_pairs
+
+    results = []
+    source = os.path.join(workdir, "relf")
+    for r in range(1, rounds + 1):
+        lm = load_model(source, "relf")
+        cfg = lm.cfg
+        settings = flow_loss_settings(cfg)
+        table = jax.numpy.asarray(np.load(os.path.join(lm.model_dir, EMBEDDINGS_FILE)))
+        target_dir = os.path.join(workdir, f"relf_reflow{r}")
+        os.makedirs(target_dir, exist_ok=True)
+        shutil.copy(os.path.join(lm.model_dir, EMBEDDINGS_FILE), os.path.join(target_dir, EMBEDDINGS_FILE))
+        z0, toks = rollout_pairs(lm.graphdef, lm.params, table, jax.random.key(1000 + r), n=num_pairs,
+                                 length=cfg.data.seq_len, settings=settings, nfe=rollout_nfe,
+                                 batch=cfg.sample.batch_size)
+        before = measure_straightness(lm.graphdef, lm.params, table, z0, toks, settings=settings)
+        builder = prepare_data(cfg)
+        train_cfg = dataclasses.replace(cfg.train, steps=steps or cfg.train.steps)
+        rcfg = dataclasses.replace(cfg, train=train_cfg, workdir=target_dir)
+        data = pipeline.make_iterator(builder, "train", lm.tokenizer, seq_len=cfg.data.seq_len,
+                                      batch_size=train_cfg.batch_size, seed=train_cfg.seed + r)
+        res = train(rcfg, lm.model_cfg, make_reflow_loss(settings, data_weight),
+                    PairBatches(z0, toks, data, batch_size=train_cfg.batch_size, seed=r), workdir=target_dir,
+                    mesh=mesh, tokenizer_bytes=lm.tokenizer.to_bytes(), frozen={"embeddings": table},
+                    init_params=lm.params, extra_meta={"embeddings": EMBEDDINGS_FILE, "reflow_round": r})
+        after = measure_straightness(res.graphdef, res.params, table, z0, toks, settings=settings)
+        results.append({"round": r, "straightness_before": before, "straightness_after": after,
+                        "model_dir": os.path.abspath(target_dir)})
+        source = target_dir
+    write_json(os.path.join(workdir, "reflow.json"), results)
+    return results
+
+
 def draft_defaults(target: ModelConfig) -> list[str]:
     """A draft about 4-8x cheaper than `target`: half the width, half the layers."""
     heads = max(1, target.num_heads // 2)

@@ -92,3 +92,21 @@ def test_one_reflow_round_lowers_straightness(tmp_path):
     after = measure_straightness(round1.graphdef, round1.params, table, z0, toks, settings=settings)
     print(f"straightness before {before:.3f} after {after:.3f}")
     assert after < 0.9 * before, (before, after)
+
+
+def test_reflow_cli_rounds(tmp_path, capsys):
+    import json
+
+    from experiments.launch import main
+    from relf_jax import workflows
+
+    wd = str(tmp_path)
+    assert main(["train", "--preset", "tiny", "--workdir", wd, "model=relf", "data.source=chatterbot",
+                 "train.steps=20", "train.progress=false", "data.seq_len=16"]) == 0
+    capsys.readouterr()
+    assert main(["reflow", "--workdir", wd, "--rounds", "2", "--pairs", "16", "--steps", "20"]) == 0
+    rounds = json.loads((tmp_path / "reflow.json").read_text())
+    assert [r["round"] for r in rounds] == [1, 2]
+    assert all(r["straightness_after"] < r["straightness_before"] for r in rounds)
+    lm = workflows.load_model(str(tmp_path / "relf_reflow2"), "relf")
+    assert lm.step == 20 and len(workflows.sample_relf(lm, 2, nfe=2, batch_size=2).texts) == 2
