@@ -13,6 +13,7 @@ load -> sample -> evaluate. Each is one function call::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -149,6 +150,19 @@ def train_relf(cfg: Config, *, mesh=None) -> TrainResult:
                  frozen={"embeddings": jax.numpy.asarray(table)}, extra_meta={"embeddings": EMBEDDINGS_FILE})
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings", "batch", "length"))
+def _relf_tokens(graphdef, params, key, table, *, settings, batch: int, length: int):
+    """Token ids [batch, length] from the ReLF sampler; compiled once per settings and shape."""
+    from flax import nnx
+
+    from relf_jax.flow.samplers import sample as flow_sample
+
+    def residual(z, t, sc):
+        return nnx.merge(graphdef, params)(z, sc, t)
+
+    return flow_sample(key, residual, table, settings, batch=batch, length=length)[0]
+
+
 def sample_relf(lm: "LoadedModel", n: int, *, nfe: Optional[int] = None, sampler: Optional[str] = None,
                 guidance: Optional[float] = None, length: Optional[int] = None, batch_size: Optional[int] = None,
                 seed: int = 0, warmup: bool = True) -> "Samples":
@@ -156,7 +170,7 @@ def sample_relf(lm: "LoadedModel", n: int, *, nfe: Optional[int] = None, sampler
 
     Sampler settings default to the model's ``cfg.flow``; length to ``data.seq_len``.
     """
-    from relf_jax.flow.samplers import FlowSamplerSettings, sample as flow_sample
+    from relf_jax.flow.samplers import FlowSamplerSettings
 
     f = lm.cfg.flow
     settings = FlowSamplerSettings(nfe=nfe or f.nfe, grid=f.grid, sampler=sampler or f.sampler,
@@ -165,16 +179,9 @@ def sample_relf(lm: "LoadedModel", n: int, *, nfe: Optional[int] = None, sampler
     table = jax.numpy.asarray(np.load(os.path.join(lm.model_dir, EMBEDDINGS_FILE)))
     length = length or lm.cfg.data.seq_len
     bs = batch_size or lm.cfg.sample.batch_size
-    graphdef = lm.graphdef
 
-    @jax.jit
     def run(params, key, table):
-        from flax import nnx
-
-        def residual(z, t, sc):
-            return nnx.merge(graphdef, params)(z, sc, t)
-
-        return flow_sample(key, residual, table, settings, batch=bs, length=length)[0]
+        return _relf_tokens(lm.graphdef, params, key, table, settings=settings, batch=bs, length=length)
 
     tok = lm.tokenizer
     key = jax.random.key(seed)

@@ -110,3 +110,17 @@ def test_reflow_cli_rounds(tmp_path, capsys):
     assert all(r["straightness_after"] < r["straightness_before"] for r in rounds)
     lm = workflows.load_model(str(tmp_path / "relf_reflow2"), "relf")
     assert lm.step == 20 and len(workflows.sample_relf(lm, 2, nfe=2, batch_size=2).texts) == 2
+
+
+def test_sample_relf_compiles_once_across_calls(tmp_path):
+    from experiments.launch import main
+    from relf_jax import workflows
+
+    wd = str(tmp_path)
+    assert main(["train", "--preset", "tiny", "--workdir", wd, "model=relf", "data.source=chatterbot",
+                 "train.steps=2", "train.progress=false", "data.seq_len=16"]) == 0
+    lm = workflows.load_model(wd, "relf")
+    before = workflows._relf_tokens._cache_size()
+    for seed in range(3):
+        workflows.sample_relf(lm, 2, nfe=3, batch_size=2, seed=seed)
+    assert workflows._relf_tokens._cache_size() - before == 1
