@@ -222,6 +222,13 @@ def _check_static(nfe, grid, c, t_eps):
     FlowSamplerSettings(nfe=nfe, grid=grid, c=c, t_eps=t_eps)
 
 
+def _finish(residual_fn, z, sc, embeddings, *, c, guidance, use_singular, t_eps):
+    """(argmax tokens at t = 1, landed Z_1) after either integrator."""
+    tokens = final_tokens(residual_fn, z, sc, embeddings, c=c, guidance=guidance,
+                          use_singular=use_singular, t_eps=t_eps)
+    return tokens, _land(z, tokens, embeddings, use_singular)
+
+
 def euler_sample(
     key: jax.Array,
     residual_fn: ResidualFn,
@@ -248,9 +255,7 @@ def euler_sample(
     z0 = jax.random.normal(key, (batch, length, jnp.shape(embeddings)[1]), jnp.float32)
     z, sc = euler_integrate(z0, residual_fn, embeddings, time_grid(nfe, grid), c=c, guidance=guidance,
                             use_singular=use_singular, t_eps=t_eps)
-    tokens = final_tokens(residual_fn, z, sc, embeddings, c=c, guidance=guidance,
-                          use_singular=use_singular, t_eps=t_eps)
-    return tokens, _land(z, tokens, embeddings, use_singular)
+    return _finish(residual_fn, z, sc, embeddings, c=c, guidance=guidance, use_singular=use_singular, t_eps=t_eps)
 
 
 def stochastic_sample(
@@ -278,9 +283,7 @@ def stochastic_sample(
     z, sc = stochastic_integrate(z0, jax.random.split(noise_key, nfe), residual_fn, embeddings,
                                  time_grid(nfe, grid), c=c, gamma=gamma, guidance=guidance,
                                  use_singular=use_singular, t_eps=t_eps, renoise=renoise)
-    tokens = final_tokens(residual_fn, z, sc, embeddings, c=c, guidance=guidance,
-                          use_singular=use_singular, t_eps=t_eps)
-    return tokens, _land(z, tokens, embeddings, use_singular)
+    return _finish(residual_fn, z, sc, embeddings, c=c, guidance=guidance, use_singular=use_singular, t_eps=t_eps)
 
 
 def sample(
