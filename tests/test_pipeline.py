@@ -286,6 +286,38 @@ def test_eval_batches(builder, tok):
     np.testing.assert_array_equal(again[0]["tokens"], batches[0]["tokens"])
 
 
+def test_document_rows_hold_one_document_each_then_padding(builder, tok):
+    L = 6  # some documents are longer, some shorter
+    docs = _docs(builder, tok, "validation")
+    batches = pipeline.eval_batches(builder, "validation", tok, seq_len=L, batch_size=4, max_batches=100,
+                                    rows="documents")
+    rows = [r for b in batches for r in b["tokens"]][: len(docs)]
+    assert len(rows) == len(docs)
+    for row, doc in zip(rows, docs):
+        assert row.shape == (L + 1,)
+        cut = doc[: L + 1]
+        assert row[: len(cut)].tolist() == cut
+        assert (row[len(cut):] == tok.pad_id).all()
+    assert any(len(d) > L + 1 for d in docs) and any(len(d) < L + 1 for d in docs)
+    assert (batches[0]["segment_ids"] == 1).all()  # the pad tail is a target too
+    np.testing.assert_array_equal(batches[0]["positions"][0], np.arange(L + 1))
+
+
+def test_document_rows_shuffle_and_resume(builder, tok):
+    it = _iterator(builder, tok, batch_size=3, rows="documents")
+    first = [next(it) for _ in range(4)]
+    starts = {int(r[0]) for b in first for r in b["tokens"]}
+    assert starts == {tok.bos_id}
+    state = json.loads(json.dumps(it.get_state()))
+    want = [next(it) for _ in range(2)]
+    fresh = _iterator(builder, tok, batch_size=3, rows="documents")
+    fresh.set_state(state)
+    for w, g in zip(want, [next(fresh) for _ in range(2)], strict=True):
+        np.testing.assert_array_equal(w["tokens"], g["tokens"])
+    with pytest.raises(ValueError, match="rows must be one of"):
+        _iterator(builder, tok, rows="bogus")
+
+
 def test_empty_or_missing_split_raises(builder, tok):
     with pytest.raises(DataError, match="no split 'test'"):
         pipeline.validate_nonempty(builder, "test")

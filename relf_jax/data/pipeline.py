@@ -17,6 +17,10 @@ the last row of a finite pass has); ``positions`` counts from 0 within each piec
 loss mask is ``segment_ids[:, 1:] != 0``; restricting attention to equal segment ids
 keeps documents apart.
 
+With ``rows="documents"`` each row is one document instead: ``[bos, *ids, eos]`` cut to
+``seq_len + 1`` tokens and filled up with the pad id, every position (the pad tail included)
+in segment 1, so a whole-sequence generator (ReLF) learns where its text ends.
+
 The iterator is a grain ``DatasetIterator``: ``get_state()`` is a small JSON-safe dict
 and ``set_state`` on a freshly built iterator resumes exactly. Packing is our own
 ``PackedRows`` rather than ``grain.experimental.ConcatThenSplitIterDataset`` because in
@@ -153,10 +157,30 @@ class PackedRows(grain.IterDataset):
         return f"PackedRows(row_len={self._row_len})"
 
 
-def _packed_rows(docs: grain.MapDataset, tokenizer, seq_len: int) -> grain.IterDataset:
+class _DocumentRow(grain.transforms.Map):
+    """1-D token array -> one row of ``row_len``: cut, then filled up with the pad id."""
+
+    def __init__(self, row_len: int, pad_id: int):
+        self._row_len, self._pad_id = row_len, pad_id
+
+    def map(self, doc: np.ndarray) -> dict[str, np.ndarray]:
+        n = self._row_len
+        tokens = np.full(n, self._pad_id, np.int32)
+        tokens[: min(n, len(doc))] = doc[:n]
+        return {"tokens": tokens, "segment_ids": np.ones(n, np.int32), "positions": np.arange(n, dtype=np.int32)}
+
+
+ROW_MODES = ("packed", "documents")
+
+
+def _rows(docs: grain.MapDataset, tokenizer, seq_len: int, rows: str = "packed") -> grain.IterDataset:
     if seq_len < 1:
         raise ValueError(f"seq_len must be positive, got {seq_len}.")
-    return PackedRows(docs.map(_Tokenize(tokenizer)).to_iter_dataset(), seq_len + 1)
+    if rows == "packed":
+        return PackedRows(docs.map(_Tokenize(tokenizer)).to_iter_dataset(), seq_len + 1)
+    if rows == "documents":
+        return docs.map(_Tokenize(tokenizer)).map(_DocumentRow(seq_len + 1, tokenizer.pad_id)).to_iter_dataset()
+    raise ValueError(f"rows must be one of {ROW_MODES}, got {rows!r}.")
 
 
 def make_iterator(
@@ -171,8 +195,10 @@ def make_iterator(
     num_epochs: int | None = None,
     process_index: int | None = None,
     process_count: int | None = None,
+    rows: str = "packed",
 ) -> grain.DatasetIterator:
-    """This host's batches of packed rows, int32 ``[batch_size, seq_len + 1]`` each.
+    """This host's batches of rows (``rows``: "packed" or "documents"), int32
+    ``[batch_size, seq_len + 1]`` each.
 
     Deterministic given ``seed``; ``num_epochs=None`` repeats forever (reshuffling every
     epoch). ``process_index`` / ``process_count`` default to JAX's; each host reads the
@@ -184,8 +210,7 @@ def make_iterator(
     if shuffle:
         docs = docs.shuffle(seed)
     docs = docs.repeat(num_epochs)
-    rows = _packed_rows(docs, tokenizer, seq_len)
-    return iter(rows.batch(batch_size, drop_remainder=True))
+    return iter(_rows(docs, tokenizer, seq_len, rows).batch(batch_size, drop_remainder=True))
 
 
 def eval_batches(
@@ -198,6 +223,7 @@ def eval_batches(
     max_batches: int,
     process_index: int | None = None,
     process_count: int | None = None,
+    rows: str = "packed",
 ) -> list[dict[str, np.ndarray]]:
     """Up to ``max_batches`` batches from one pass over ``split`` in stored order.
 
@@ -207,7 +233,7 @@ def eval_batches(
     """
     docs = _host_documents(builder, split, process_index, process_count)
     batches = []
-    for batch in _packed_rows(docs, tokenizer, seq_len).batch(batch_size):
+    for batch in _rows(docs, tokenizer, seq_len, rows).batch(batch_size):
         missing = batch_size - len(batch["tokens"])
         if missing:
             batch = {k: np.pad(v, ((0, missing), (0, 0))) for k, v in batch.items()}
