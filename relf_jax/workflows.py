@@ -95,6 +95,13 @@ EMBEDDINGS_FILE = "embeddings.npy"
 EMBEDDING_DOCS = 20_000
 
 
+def row_mode(cfg: Config) -> str:
+    """How training rows are cut (``data.rows``): "auto" is "documents" for ReLF, else "packed"."""
+    if cfg.data.rows != "auto":
+        return cfg.data.rows
+    return "documents" if cfg.model.family == "relf" else "packed"
+
+
 def flow_embeddings(cfg: Config, builder, tok: Tokenizer, model_dir: str) -> np.ndarray:
     """The fixed ReLF token embeddings [V, d]: loaded from `model_dir`, or built and saved there.
 
@@ -108,7 +115,9 @@ def flow_embeddings(cfg: Config, builder, tok: Tokenizer, model_dir: str) -> np.
     v, d = tok.vocab_size, cfg.model.flow_embed_dim
     norm = cfg.flow.embed_norm or None
     if cfg.flow.embeddings == "hellinger":
-        rows = [[tok.bos_id] + tok.encode(t) + [tok.eos_id]
+        # document rows end in pad ids: count the eos -> pad and pad -> pad transitions too
+        tail = [tok.pad_id, tok.pad_id] if row_mode(cfg) == "documents" else []
+        rows = [[tok.bos_id] + tok.encode(t) + [tok.eos_id] + tail
                 for t in itertools.islice(sources.iter_texts(builder, "train"), EMBEDDING_DOCS)]
         table = emb.hellinger_svd_embeddings(emb.cooccurrence_counts(rows, v), d, smoothing=cfg.flow.smoothing,
                                              norm=norm)
@@ -142,9 +151,11 @@ def train_relf(cfg: Config, *, mesh=None) -> TrainResult:
     model_dir = os.path.join(cfg.workdir, "relf")
     table = flow_embeddings(cfg, builder, tok, model_dir)
     d, t = cfg.data, cfg.train
-    data = pipeline.make_iterator(builder, "train", tok, seq_len=d.seq_len, batch_size=t.batch_size, seed=t.seed)
+    rows = row_mode(cfg)
+    data = pipeline.make_iterator(builder, "train", tok, seq_len=d.seq_len, batch_size=t.batch_size, seed=t.seed,
+                                  rows=rows)
     evals = pipeline.eval_batches(builder, "validation", tok, seq_len=d.seq_len, batch_size=t.batch_size,
-                                  max_batches=t.eval_batches)
+                                  max_batches=t.eval_batches, rows=rows)
     return train(cfg, model_cfg, make_flow_loss(flow_loss_settings(cfg)), data, eval_data=evals,
                  workdir=model_dir, mesh=mesh, tokenizer_bytes=tok.to_bytes(),
                  frozen={"embeddings": jax.numpy.asarray(table)}, extra_meta={"embeddings": EMBEDDINGS_FILE})
@@ -165,7 +176,7 @@ def _relf_tokens(graphdef, params, key, table, *, settings, batch: int, length: 
 
 def sample_relf(lm: "LoadedModel", n: int, *, nfe: Optional[int] = None, sampler: Optional[str] = None,
                 guidance: Optional[float] = None, length: Optional[int] = None, batch_size: Optional[int] = None,
-                seed: int = 0, warmup: bool = True) -> "Samples":
+                seed: int = 0, warmup: bool = True, renoise: Optional[str] = None) -> "Samples":
     """Whole sequences from a ReLF model: `nfe` network calls each, all positions in parallel.
 
     Sampler settings default to the model's ``cfg.flow``; length to ``data.seq_len``.
@@ -175,7 +186,8 @@ def sample_relf(lm: "LoadedModel", n: int, *, nfe: Optional[int] = None, sampler
     f = lm.cfg.flow
     settings = FlowSamplerSettings(nfe=nfe or f.nfe, grid=f.grid, sampler=sampler or f.sampler,
                                    c=f.residual_bound, guidance=f.guidance if guidance is None else guidance,
-                                   use_singular=f.use_singular, t_eps=f.t_eps, gamma=f.gamma)
+                                   use_singular=f.use_singular, t_eps=f.t_eps, gamma=f.gamma,
+                                   renoise=renoise or f.renoise)
     table = jax.numpy.asarray(np.load(os.path.join(lm.model_dir, EMBEDDINGS_FILE)))
     length = length or lm.cfg.data.seq_len
     bs = batch_size or lm.cfg.sample.batch_size
@@ -222,12 +234,21 @@ def reflow(workdir: str, rounds: int = 2, *, num_pairs: int = 512, rollout_nfe: 
 
     results = []
     source = os.path.join(workdir, "relf")
+    report = os.path.join(workdir, "reflow.json")
+    done = {}
+    if os.path.exists(report):
+        with open(report) as f:
+            done = {d["round"]: d for d in json.load(f)}
     for r in range(1, rounds + 1):
         lm = load_model(source, "relf")
         cfg = lm.cfg
+        target_dir = os.path.join(workdir, f"relf_reflow{r}")
+        if r in done and _finished(target_dir, steps or cfg.train.steps):
+            results.append(done[r])  # a finished round (an earlier run): nothing to redo
+            source = target_dir
+            continue
         settings = flow_loss_settings(cfg)
         table = jax.numpy.asarray(np.load(os.path.join(lm.model_dir, EMBEDDINGS_FILE)))
-        target_dir = os.path.join(workdir, f"relf_reflow{r}")
         os.makedirs(target_dir, exist_ok=True)
         shutil.copy(os.path.join(lm.model_dir, EMBEDDINGS_FILE), os.path.join(target_dir, EMBEDDINGS_FILE))
         z0, toks = rollout_pairs(lm.graphdef, lm.params, table, jax.random.key(1000 + r), n=num_pairs,
@@ -238,7 +259,7 @@ def reflow(workdir: str, rounds: int = 2, *, num_pairs: int = 512, rollout_nfe: 
         train_cfg = dataclasses.replace(cfg.train, steps=steps or cfg.train.steps)
         rcfg = dataclasses.replace(cfg, train=train_cfg, workdir=target_dir)
         data = pipeline.make_iterator(builder, "train", lm.tokenizer, seq_len=cfg.data.seq_len,
-                                      batch_size=train_cfg.batch_size, seed=train_cfg.seed + r)
+                                      batch_size=train_cfg.batch_size, seed=train_cfg.seed + r, rows=row_mode(cfg))
         res = train(rcfg, lm.model_cfg, make_reflow_loss(settings, data_weight),
                     PairBatches(z0, toks, data, batch_size=train_cfg.batch_size, seed=r), workdir=target_dir,
                     mesh=mesh, tokenizer_bytes=lm.tokenizer.to_bytes(), frozen={"embeddings": table},
@@ -247,8 +268,16 @@ def reflow(workdir: str, rounds: int = 2, *, num_pairs: int = 512, rollout_nfe: 
         results.append({"round": r, "straightness_before": before, "straightness_after": after,
                         "model_dir": os.path.abspath(target_dir)})
         source = target_dir
-    write_json(os.path.join(workdir, "reflow.json"), results)
+        write_json(report, [*results, *(done[k] for k in sorted(done) if k > r)])
     return results
+
+
+def _finished(model_dir: str, steps: int) -> bool:
+    """Whether `model_dir` holds a checkpoint at (or past) step `steps`."""
+    try:
+        return int(latest_meta(model_dir).get("step", -1)) >= steps
+    except UserError:
+        return False
 
 
 def draft_defaults(target: ModelConfig) -> list[str]:

@@ -5,8 +5,11 @@ vocabulary. The singular logits, the bound c * tanh(f / c), the posterior, X1_ha
 velocity live in `relf_jax.flow`.
 
 Inputs: z, sc [B, L, d_emb] (d_emb = the fixed embedding width, e.g. 32), t [B] in [0, 1].
-z and sc are projected to the model width and added; t enters every block through adaLN
-conditioning (a sinusoidal embedding followed by an MLP). Attention is bidirectional.
+z and sc are projected to the model width and added, together with a learned absolute
+position embedding (rows are whole documents that start at position 0, and at small t the
+noisy input carries no position information that rotary attention could use); t enters every
+block through adaLN conditioning (a sinusoidal embedding followed by an MLP). Attention is
+bidirectional.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ class FlowLM(nnx.Module):
         init = jax.nn.initializers.normal(stddev=d_emb ** -0.5)
         self.in_z = make_param(rngs, init, (d_emb, d), (None, "embed"), pdtype)
         self.in_sc = make_param(rngs, init, (d_emb, d), (None, "embed"), pdtype)
+        self.pos = make_param(rngs, jax.nn.initializers.normal(stddev=1.0), (cfg.max_seq_len, d), (None, "embed"),
+                              pdtype)
         self.time_in = make_param(rngs, jax.nn.initializers.normal(stddev=TIME_FEATURES ** -0.5),
                                   (TIME_FEATURES, d), (None, "embed"), pdtype)
         self.time_out = make_param(rngs, jax.nn.initializers.normal(stddev=d ** -0.5), (d, d),
@@ -65,7 +70,10 @@ class FlowLM(nnx.Module):
         """Residual logits [B, L, V] (float32) for noisy embeddings z, self-conditioning sc, time t."""
         b, length, _ = z.shape
         dt = self.dtype
+        if length > self.pos.shape[0]:
+            raise ValueError(f"sequence length {length} exceeds model.max_seq_len={self.pos.shape[0]}")
         x = (z.astype(dt) @ self.in_z[...].astype(dt)) + (sc.astype(dt) @ self.in_sc[...].astype(dt))
+        x = x + self.pos[:length].astype(dt)[None]
         x = constrain(x, ("batch", "length", "embed"))
         cond = jax.nn.silu(time_features(t) @ self.time_in[...].astype(jnp.float32))
         cond = cond @ self.time_out[...].astype(jnp.float32)
