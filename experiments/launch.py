@@ -9,6 +9,7 @@ Parses arguments and calls library functions; holds no method. Config overrides 
     relf-jax sample --workdir runs/tiny speculative.rule=nsd speculative.k=4 draft=runs/tiny/draft
     relf-jax eval --workdir runs/tiny
     relf-jax bench spec --out spec.json [--quick]
+    relf-jax bench relf --out relf.json [--quick]
     relf-jax train --preset tiny --workdir runs/tiny model=relf
     relf-jax reflow --workdir runs/tiny --rounds 2
     relf-jax sample --workdir runs/tiny/relf_reflow2 model=relf nfe=16 sampler=euler
@@ -61,8 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--quick", action="store_true", help="tiny preset, about 2 minutes")
     d.add_argument("--workdir", default=None)
 
-    b = sub.add_parser("bench", help="long measurements written as JSON (bench spec | verify | latency | flowstep)")
-    b.add_argument("which", choices=["spec", "verify", "latency", "flowstep"])
+    b = sub.add_parser("bench", help="long measurements written as JSON (bench spec | relf | verify | latency | "
+                                     "flowstep)")
+    b.add_argument("which", choices=["spec", "relf", "verify", "latency", "flowstep"])
     b.add_argument("--out", required=True, help="JSON file to write")
     b.add_argument("--quick", action="store_true", help="tiny preset, a few minutes")
     b.add_argument("--workdir", default=None, help="where models are trained / cached")
@@ -103,8 +105,11 @@ def _run(args) -> int:
         return 0
     if args.command == "bench":
         from experiments import bench
-        getattr(bench, f"bench_{args.which}")(args.out, quick=args.quick, workdir=args.workdir,
-                                              overrides=args.overrides)
+        if args.which == "relf":
+            from experiments.bench_relf import bench_relf as run_bench
+        else:
+            run_bench = getattr(bench, f"bench_{args.which}")
+        run_bench(args.out, quick=args.quick, workdir=args.workdir, overrides=args.overrides)
         return 0
     if args.command == "train":
         cfg = make_config(args.preset, args.overrides, workdir=args.workdir or os.path.join("runs", args.preset))

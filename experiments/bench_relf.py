@@ -1,0 +1,260 @@
+"""`relf-jax bench relf`: ReLF vs AR on `synthetic_chat` under the exact judge, in one run.
+
+Composition only (every step is a `relf_jax.workflows` call). For each of two training
+budgets (``train.steps`` and half of it; the same number of training rows of ``seq_len``
+tokens for AR and ReLF) it trains an AR and a ReLF model of the same size and samples whole
+conversations (unconditional, up to ``seq_len`` tokens) from both:
+
+- AR: a temperature sweep, the quality curve that ReLF rows are compared against at
+  matched entropy (gen PPL of AR interpolated, in log space, at the ReLF row's entropy);
+- ReLF: 64-NFE stochastic and 8 / 16 / 32-NFE Euler, before reflow and (full budget) after
+  each of two regularised reflow rounds; the two stochastic renoise rules side by side;
+- ablations at 64 NFE: singular logits off, Gaussian embeddings and the MSE velocity loss
+  (each trained at the smaller budget and compared with that budget's ReLF, to save CPU time),
+  and a guidance-scale sweep (1, 1.3, 1.7, 2.5) on the full-budget model;
+- latency of one sequence of ``seq_len`` tokens at batch 1 and 64: AR with its KV cache vs
+  ReLF at 16 NFE, and their ratio;
+- straightness of each reflow round's coupling before and after training on it.
+
+Rows carry ``method, nfe, reflow_rounds, gen_ppl, entropy, latency_s, batch`` (+ the budget
+and variant); ``targets`` restates the issue's targets as measured ratios.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from relf_jax.config import make_config
+
+AR_TEMPERATURES = (0.6, 0.7, 0.8, 0.9, 1.0, 1.1)
+QUICK_AR_TEMPERATURES = (0.7, 0.85, 1.0)
+EULER_NFES = (8, 16, 32)
+GUIDANCE = (1.0, 1.3, 1.7, 2.5)
+ABLATIONS = {"no_singular": ["flow.use_singular=false"], "gaussian_embeddings": ["flow.embeddings=gaussian"],
+             "mse_loss": ["flow.loss=mse"]}
+
+
+def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = ()) -> dict:
+    from relf_jax import workflows
+
+    preset = "tiny" if quick else "cpu"
+    root = os.path.abspath(workdir or os.path.join("runs", f"bench_relf_{preset}"))
+    base = make_config(preset, list(overrides), workdir=os.path.join(root, "shared"))
+    # one data set and tokenizer for every model of the run
+    builder = workflows.prepare_data(base)
+    workflows.prepare_tokenizer(base, builder)
+    judge = workflows.exact_judge(base)
+    n = 32 if quick else 64
+    temps = QUICK_AR_TEMPERATURES if quick else AR_TEMPERATURES
+    full = base.train.steps
+    budgets = (full, max(1, full // 2))
+    t0 = time.perf_counter()
+    rows, straight = [], []
+
+    def record(row):
+        rows.append(row)
+        _write_json(out, {"preset": preset, "complete": False, "rows": rows})  # nothing lost if interrupted
+        ppl = "   empty" if row["gen_ppl"] is None else f"{row['gen_ppl']:8.2f}"
+        print(f"[bench relf] {row['train_steps']:>5} steps {row['method']:>26} nfe {row['nfe']!s:>4} "
+              f"reflow {row['reflow_rounds']}: gen PPL {ppl}  entropy {row['entropy']:.2f}  "
+              f"{row['latency_s'] * 1e3:8.1f} ms/batch", flush=True)
+
+    for steps in budgets:
+        wd = _workdir(root, f"steps{steps}", base)
+        cfg = make_config(preset, [*overrides, f"train.steps={steps}"], workdir=wd)
+        workflows.train_lm(cfg)
+        ar_lm = workflows.load_model(wd, "ar")
+        for temperature in temps:
+            sc = dataclasses.replace(ar_lm.cfg.sample, temperature=temperature, top_k=0, top_p=1.0,
+                                     max_new_tokens=cfg.data.seq_len - 1, num_samples=n)
+            s = workflows.sample(ar_lm, n=n, sample_cfg=sc)
+            record(_row(s, judge, method=f"ar T={temperature:g}", nfe=None, reflow_rounds=0, steps=steps,
+                        variant="ar", temperature=temperature, batch=sc.batch_size))
+        relf_cfg = make_config(preset, [*overrides, f"train.steps={steps}", "model=relf"], workdir=wd)
+        workflows.train_lm(relf_cfg)
+        relf_dir = os.path.join(wd, "relf")
+        lm = workflows.load_model(relf_dir, "relf")
+        _relf_rows(record, lm, judge, n, steps, rounds=0, variant="relf", renoise_pair=True)
+        if steps != full:
+            # ablations at the smaller budget (CPU time), against that budget's ReLF rows
+            for name, extra in ABLATIONS.items():
+                awd = _workdir(root, f"steps{steps}_{name}", base)
+                workflows.train_lm(make_config(preset, [*overrides, f"train.steps={steps}", "model=relf", *extra],
+                                               workdir=awd))
+                alm = workflows.load_model(os.path.join(awd, "relf"), "relf")
+                s = workflows.sample_relf(alm, n, nfe=64, sampler="stochastic")
+                record(_row(s, judge, method=f"relf stochastic {name}", nfe=64, reflow_rounds=0, steps=steps,
+                            variant=name, batch=alm.cfg.sample.batch_size))
+            continue
+        for g in GUIDANCE[1:]:
+            s = workflows.sample_relf(lm, n, nfe=64, sampler="stochastic", guidance=g)
+            record(_row(s, judge, method=f"relf stochastic w={g:g}", nfe=64, reflow_rounds=0, steps=steps,
+                        variant="guidance", guidance=g, batch=lm.cfg.sample.batch_size))
+        straight = workflows.reflow(wd, rounds=2, num_pairs=64 if quick else 512, steps=max(1, steps // 2))
+        for r in (1, 2):
+            rlm = workflows.load_model(os.path.join(wd, f"relf_reflow{r}"), "relf")
+            _relf_rows(record, rlm, judge, n, steps, rounds=r, variant="relf")
+        latency = _latency(ar_lm, lm, length=cfg.data.seq_len, batches=(1, 64))
+
+    report = {"preset": preset, "complete": True, "num_samples": n, "budgets_steps": list(budgets),
+              "tokens_per_step": base.train.batch_size * base.data.seq_len, "rows": rows,
+              "latency": latency["rows"], "latency_ratio_ar_over_relf16": latency["ratio"],
+              "straightness": straight, "targets": targets(rows, budgets), "judge": judge.name,
+              "wall_s": time.perf_counter() - t0}
+    _write_json(out, report)
+    print(json.dumps(report["targets"], indent=2))
+    print(json.dumps(report["latency_ratio_ar_over_relf16"]))
+    return report
+
+
+def _workdir(root: str, name: str, base) -> str:
+    """A run directory that shares the data and tokenizer prepared in ``base.workdir``."""
+    wd = os.path.join(root, name)
+    os.makedirs(wd, exist_ok=True)
+    data = os.path.join(wd, "data")
+    if not os.path.exists(data):
+        os.symlink(os.path.join(base.workdir, "data"), data)
+    tok = os.path.join(wd, "tokenizer.model")
+    if not os.path.exists(tok):
+        shutil.copy(os.path.join(base.workdir, "tokenizer.model"), tok)
+    return wd
+
+
+def _row(samples, judge, *, method, nfe, reflow_rounds, steps, variant, batch: int = 8, **extra) -> dict:
+    """One result row; latency_s is the decode time of one batch of `batch` sequences."""
+    from relf_jax import workflows
+
+    q = workflows.evaluate_samples(samples, judge)
+    batches = max(1, math.ceil(len(samples.texts) / batch))
+    # all-empty samples (a degenerate model) have no gen PPL: null in the JSON, not NaN
+    ppl = q["gen_ppl"] if math.isfinite(q["gen_ppl"]) else None
+    return {"method": method, "nfe": nfe, "reflow_rounds": reflow_rounds, "gen_ppl": ppl,
+            "entropy": q["entropy"], "latency_s": samples.seconds / batches, "batch": batch,
+            "train_steps": steps, "variant": variant, "mean_tokens": q["mean_tokens"],
+            "distinct_2": q["distinct_2"], **extra}
+
+
+def _relf_rows(record, lm, judge, n, steps, *, rounds, variant, renoise_pair=False):
+    from relf_jax import workflows
+
+    renoises = ("linear", "marginal") if renoise_pair else (lm.cfg.flow.renoise,)
+    for renoise in renoises:
+        s = workflows.sample_relf(lm, n, nfe=64, sampler="stochastic", renoise=renoise)
+        record(_row(s, judge, method=f"relf stochastic {renoise}", nfe=64, reflow_rounds=rounds, steps=steps,
+                    variant=variant, renoise=renoise, batch=lm.cfg.sample.batch_size))
+    for nfe in EULER_NFES:
+        s = workflows.sample_relf(lm, n, nfe=nfe, sampler="euler")
+        record(_row(s, judge, method="relf euler", nfe=nfe, reflow_rounds=rounds, steps=steps, variant=variant,
+                    batch=lm.cfg.sample.batch_size))
+
+
+def _latency(ar_lm, relf_lm, *, length: int, batches: Sequence[int], reps: int = 3) -> dict:
+    """One sequence of `length` tokens: AR (KV cache, no early stop) vs ReLF 16-NFE Euler,
+    median of `reps` timed calls after a compiling one."""
+    import jax
+
+    from relf_jax import workflows
+    from relf_jax.sampling import autoregressive as ar
+
+    rows, ratio = [], {}
+    for batch in batches:
+        settings = ar.DecodeSettings(max_new_tokens=length - 1, eos_id=-1)
+        prompts, lens = ar.pad_prompts([[ar_lm.tokenizer.bos_id]] * batch, ar_lm.tokenizer.pad_id, 8)
+        sp = ar.SamplingParams.make(1.0)
+        ar_times = []
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            jax.block_until_ready(ar.generate(ar_lm.graphdef, ar_lm.params, prompts, lens, jax.random.key(i), sp,
+                                              settings).tokens)
+            ar_times.append(time.perf_counter() - t0)
+        relf_times = [workflows.sample_relf(relf_lm, batch, nfe=16, sampler="euler", batch_size=batch, length=length,
+                                            seed=i, warmup=i == 0).seconds for i in range(reps)]
+        ar_s, relf_s = float(np.median(ar_times[1:])), float(np.median(relf_times))
+        rows += [{"method": "ar (kv cache)", "nfe": length - 1, "batch": batch, "tokens": length, "latency_s": ar_s},
+                 {"method": "relf euler", "nfe": 16, "batch": batch, "tokens": length, "latency_s": relf_s}]
+        ratio[str(batch)] = ar_s / relf_s
+        print(f"[bench relf] latency B={batch}: AR {ar_s * 1e3:.1f} ms, ReLF-16 {relf_s * 1e3:.1f} ms "
+              f"({ratio[str(batch)]:.2f}x)", flush=True)
+    return {"rows": rows, "ratio": ratio}
+
+
+def ar_ppl_at_entropy(ar_rows: Sequence[dict], entropy: float) -> tuple[float, float]:
+    """AR gen PPL at `entropy` by linear interpolation of log gen PPL over the AR sweep, and
+    the distance (nats) from `entropy` to the nearest AR point (0 inside the swept range)."""
+    pts = sorted((r["entropy"], math.log(r["gen_ppl"])) for r in ar_rows if r["gen_ppl"])
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    if entropy <= xs[0]:
+        return math.exp(ys[0]), xs[0] - entropy
+    if entropy >= xs[-1]:
+        return math.exp(ys[-1]), entropy - xs[-1]
+    return math.exp(float(np.interp(entropy, xs, ys))), 0.0
+
+
+def _ratio(a, b):
+    return None if a is None or b is None else a / b
+
+
+def _pick(rows, **kw):
+    for r in rows:
+        if all(r.get(k) == v for k, v in kw.items()):
+            return r
+    return None
+
+
+def targets(rows: Sequence[dict], budgets: Sequence[int]) -> dict:
+    """The issue's targets as measured ratios (lower gen PPL is better)."""
+    out = {}
+    for steps in budgets:
+        ar_rows = [r for r in rows if r["variant"] == "ar" and r["train_steps"] == steps]
+        r64 = _pick(rows, variant="relf", train_steps=steps, nfe=64, reflow_rounds=0)
+        ppl, gap = ar_ppl_at_entropy(ar_rows, r64["entropy"])
+        out[f"steps{steps}_relf64_vs_ar_at_matched_entropy"] = {
+            "relf_gen_ppl": r64["gen_ppl"], "relf_entropy": r64["entropy"], "ar_gen_ppl_interpolated": ppl,
+            "entropy_outside_ar_sweep_nats": gap, "ratio": _ratio(r64["gen_ppl"], ppl), "target": "<= 1.15"}
+    full = budgets[0]
+    pre64 = _pick(rows, variant="relf", train_steps=full, nfe=64, reflow_rounds=0)
+    e16 = _pick(rows, variant="relf", train_steps=full, nfe=16, reflow_rounds=2, method="relf euler")
+    e8_pre = _pick(rows, variant="relf", train_steps=full, nfe=8, reflow_rounds=0, method="relf euler")
+    e8_post = _pick(rows, variant="relf", train_steps=full, nfe=8, reflow_rounds=2, method="relf euler")
+    if e16 is not None:
+        out["reflow2_euler16_over_pre_stochastic64_gen_ppl"] = {
+            "ratio": _ratio(e16["gen_ppl"], pre64["gen_ppl"]), "entropy_delta": e16["entropy"] - pre64["entropy"],
+            "target": "<= 1.10"}
+        out["reflow2_euler8_gen_ppl_reduction"] = {
+            "reduction": None if _ratio(e8_post["gen_ppl"], e8_pre["gen_ppl"]) is None
+            else 1.0 - e8_post["gen_ppl"] / e8_pre["gen_ppl"], "before": e8_pre["gen_ppl"],
+            "after": e8_post["gen_ppl"], "target": ">= 0.20"}
+    abl = {}
+    for name in ABLATIONS:
+        r = next((x for x in rows if x["variant"] == name), None)
+        if r is not None:
+            base = _pick(rows, variant="relf", train_steps=r["train_steps"], nfe=64, reflow_rounds=0)
+            abl[name] = {"gen_ppl_over_baseline": _ratio(r["gen_ppl"], base["gen_ppl"]),
+                         "entropy_delta": r["entropy"] - base["entropy"], "train_steps": r["train_steps"]}
+    for g in GUIDANCE[1:]:
+        r = _pick(rows, variant="guidance", train_steps=full, guidance=g)
+        if r is not None:
+            abl[f"guidance_{g:g}"] = {"gen_ppl_over_baseline": _ratio(r["gen_ppl"], pre64["gen_ppl"]),
+                                      "entropy_delta": r["entropy"] - pre64["entropy"]}
+    if abl:
+        out["ablations_vs_relf64"] = abl
+    marg = _pick(rows, variant="relf", train_steps=full, nfe=64, reflow_rounds=0, renoise="marginal")
+    lin = _pick(rows, variant="relf", train_steps=full, nfe=64, reflow_rounds=0, renoise="linear")
+    if marg and lin:
+        out["renoise_marginal_over_linear"] = {"gen_ppl": _ratio(marg["gen_ppl"], lin["gen_ppl"]),
+                                               "entropy_delta": marg["entropy"] - lin["entropy"]}
+    return out
+
+
+def _write_json(path: str, obj) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)

@@ -1,0 +1,48 @@
+"""The arithmetic of `relf-jax bench relf`: matched-entropy interpolation and target ratios."""
+
+import math
+
+import pytest
+
+from experiments.bench_relf import ar_ppl_at_entropy, targets
+
+
+def _ar(entropy, ppl, steps=10):
+    return {"variant": "ar", "train_steps": steps, "entropy": entropy, "gen_ppl": ppl, "nfe": None,
+            "reflow_rounds": 0, "method": "ar"}
+
+
+def test_ar_ppl_at_entropy_interpolates_log_ppl_and_reports_the_gap():
+    rows = [_ar(3.0, 10.0), _ar(2.0, 10.0), _ar(4.0, 1000.0)]
+    # points (2, 10), (3, 10), (4, 1000): halfway between 3 and 4 is the geometric mean
+    ppl, gap = ar_ppl_at_entropy(rows, 3.5)
+    assert ppl == pytest.approx(100.0) and gap == 0.0
+    ppl, gap = ar_ppl_at_entropy(rows, 4.25)
+    assert ppl == pytest.approx(1000.0) and gap == pytest.approx(0.25)
+    ppl, gap = ar_ppl_at_entropy(rows, 1.5)
+    assert ppl == pytest.approx(10.0) and gap == pytest.approx(0.5)
+
+
+def _relf(steps, nfe, rounds, ppl, entropy=3.0, variant="relf", method=None, **kw):
+    return {"variant": variant, "train_steps": steps, "nfe": nfe, "reflow_rounds": rounds, "gen_ppl": ppl,
+            "entropy": entropy, "method": method or ("relf stochastic linear" if nfe == 64 else "relf euler"),
+            **kw}
+
+
+def test_targets_ratios():
+    rows = [_ar(2.0, 20.0, 10), _ar(4.0, 80.0, 10), _ar(2.0, 40.0, 5), _ar(4.0, 160.0, 5),
+            _relf(10, 64, 0, 46.0, renoise="linear"), _relf(10, 64, 0, 50.0, renoise="marginal", entropy=3.2),
+            _relf(5, 64, 0, 100.0, renoise="linear"),
+            _relf(10, 8, 0, 200.0), _relf(10, 8, 2, 120.0), _relf(10, 16, 2, 48.3),
+            _relf(5, 64, 0, 150.0, variant="no_singular"), _relf(10, 64, 0, 46.0, variant="guidance", guidance=1.3)]
+    t = targets(rows, (10, 5))
+    m = t["steps10_relf64_vs_ar_at_matched_entropy"]
+    assert m["ar_gen_ppl_interpolated"] == pytest.approx(40.0)  # sqrt(20 * 80)
+    assert m["ratio"] == pytest.approx(46.0 / 40.0)
+    assert t["steps5_relf64_vs_ar_at_matched_entropy"]["ratio"] == pytest.approx(100.0 / 80.0)
+    assert t["reflow2_euler16_over_pre_stochastic64_gen_ppl"]["ratio"] == pytest.approx(48.3 / 46.0)
+    assert t["reflow2_euler8_gen_ppl_reduction"]["reduction"] == pytest.approx(0.4)
+    assert t["ablations_vs_relf64"]["no_singular"]["gen_ppl_over_baseline"] == pytest.approx(1.5)  # vs 5 steps
+    assert t["ablations_vs_relf64"]["guidance_1.3"]["gen_ppl_over_baseline"] == pytest.approx(1.0)
+    assert t["renoise_marginal_over_linear"]["entropy_delta"] == pytest.approx(0.2)
+    assert math.isfinite(t["renoise_marginal_over_linear"]["gen_ppl"])
