@@ -1,4 +1,5 @@
-"""`relf-jax demo`: train the `cpu` AR model on the built-in corpus, sample, measure, report.
+"""`relf-jax demo`: train the `cpu` AR model (plus a distilled draft and a ReLF flow model) on
+the built-in corpus, sample, measure, report.
 
 Composition only: every step is a `relf_jax.workflows` call a Colab user can make too. Writes
 ``report.json``, ``report.md`` and PNG plots into the workdir; a second run reuses the data,
@@ -17,6 +18,14 @@ from relf_jax.config import SpeculativeConfig, make_config
 from relf_jax.train.metrics import read_metrics
 
 AR_TEMPERATURES = (1.0, 0.8)
+RELF_REFLOW_PAIRS = 128
+
+
+def _relf_row(lm, judge, n: int, label: str, *, nfe: int, sampler: str) -> dict:
+    s = workflows.sample_relf(lm, n, nfe=nfe, sampler=sampler)
+    q = workflows.evaluate_samples(s, judge)
+    return {"method": label, "nfe": nfe, "gen_ppl": q["gen_ppl"], "entropy": q["entropy"],
+            "tokens_per_s": q["tokens_per_s"], "distinct_2": q["distinct_2"], "mean_tokens": q["mean_tokens"]}
 
 
 def run_demo(quick: bool = False, workdir: Optional[str] = None, overrides: Sequence[str] = ()) -> dict:
@@ -56,6 +65,19 @@ def run_demo(quick: bool = False, workdir: Optional[str] = None, overrides: Sequ
                      "nfe": round(s.target_forwards / len(s.texts), 1), "gen_ppl": q["gen_ppl"],
                      "entropy": q["entropy"], "tokens_per_s": q["tokens_per_s"], "tau": s.tau,
                      "distinct_2": q["distinct_2"], "mean_tokens": q["mean_tokens"]})
+
+    # ReLF: a flow model of the same width and depth, then two short regularised reflow rounds.
+    # Half the AR training budget keeps the demo within its 10 minutes; `relf-jax bench relf`
+    # compares at equal budgets.
+    relf_steps = max(1, cfg.train.steps // 2)
+    workflows.train_lm(make_config(preset, [*overrides, "model=relf", f"train.steps={relf_steps}"], workdir=workdir))
+    relf = workflows.load_model(os.path.join(cfg.workdir, "relf"), "relf")
+    rows.append(_relf_row(relf, judge, sc.num_samples, "relf stochastic", nfe=64, sampler="stochastic"))
+    rows.append(_relf_row(relf, judge, sc.num_samples, "relf euler", nfe=16, sampler="euler"))
+    workflows.reflow(cfg.workdir, rounds=2, num_pairs=RELF_REFLOW_PAIRS, rollout_nfe=32,
+                     steps=max(1, relf_steps // 4))
+    reflowed = workflows.load_model(os.path.join(cfg.workdir, "relf_reflow2"), "relf")
+    rows.append(_relf_row(reflowed, judge, sc.num_samples, "relf euler reflow2", nfe=16, sampler="euler"))
 
     decode = {}
     for batch in (1, 8):
@@ -116,7 +138,8 @@ def render_markdown(report: dict) -> str:
     ex = "\n".join(f"- `{e[:300]}`" for e in report["examples"])
     return (f"# relf-jax demo ({report['preset']})\n\nQuality is a pair: generative perplexity under the "
             f"{report['judge']} and mean per-sample unigram entropy (nats). NFE = target forward passes per "
-            f"sample (AR: one per token; speculative: one per draft/verify round).\n\n"
+            f"sample (AR: one per token; speculative: one per draft/verify round; ReLF: network calls for the "
+            f"whole sequence, trained on half the AR budget).\n\n"
             f"{head}{body}\nTraining: {t['steps']} steps, final loss {_fmt(t['final_loss'], 3)}, eval loss "
             f"{_fmt(t['eval_loss'], 3)}, {_fmt(t['tokens_per_s'])} tokens/s.\n\nDecode tokens/s: batch 1 "
             f"{_fmt(report['decode_tokens_per_s']['1'])}, batch 8 {_fmt(report['decode_tokens_per_s']['8'])}.\n\n"

@@ -18,6 +18,10 @@ def test_demo_quick_writes_report_and_reuses_its_cache(tmp_path, capsys):
     methods = [r["method"] for r in report["rows"]]
     assert methods[0] == "data" and any(m.startswith("ar ") for m in methods)
     assert any(m.startswith("spec standard") for m in methods) and any(m.startswith("spec nsd") for m in methods)
+    assert {"relf stochastic", "relf euler", "relf euler reflow2"} <= set(methods)
+    assert [r["nfe"] for r in report["rows"] if r["method"].startswith("relf")] == [64, 16, 16]
+    reflow = json.load(open(os.path.join(wd, "reflow.json")))
+    assert [r["round"] for r in reflow] == [1, 2]
     for row in report["rows"]:
         assert set(row) >= {"method", "nfe", "gen_ppl", "entropy", "tokens_per_s"}
         assert row["gen_ppl"] > 1 and row["entropy"] > 0
@@ -28,9 +32,10 @@ def test_demo_quick_writes_report_and_reuses_its_cache(tmp_path, capsys):
     for name in ("report.md", "quality.png", os.path.join("ar", "loss_curve.png"), "tokenizer.model"):
         assert os.path.exists(os.path.join(wd, name)), name
     assert "gen_ppl" in out and "data" in out
-    # second run: data, tokenizer, model and draft come from the workdir; nothing is retrained
+    # second run: data, tokenizer, models, draft and reflow rounds come from the workdir; nothing is retrained
     t0 = time.perf_counter()
     assert main(["demo", "--quick", "--workdir", wd]) == 0
     again = json.load(open(os.path.join(wd, "report.json")))
     assert again["train"]["resumed_from"] == again["train"]["steps"]
+    assert json.load(open(os.path.join(wd, "reflow.json"))) == reflow
     assert time.perf_counter() - t0 < report["wall_s"] + 30
