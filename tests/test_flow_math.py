@@ -95,6 +95,47 @@ def test_hellinger_svd_geometry_tracks_next_token_distributions():
     assert np.mean(twin < others) >= 0.75
 
 
+def test_sparse_counts_and_the_matrix_free_hellinger_operator():
+    rows = _corpus(seed=2, rows=60)
+    dense = emb.cooccurrence_counts(rows, 24, window=2, ignore_id=3)
+    sparse = emb.cooccurrence_sparse(rows, 24, window=2, ignore_id=3)
+    np.testing.assert_array_equal(sparse.toarray(), dense)
+    x = np.random.default_rng(0).standard_normal((24, 5))
+    for center in (False, True):
+        m = emb.hellinger_rows(dense, smoothing=1e-2)
+        if center:
+            m = m - m.mean(axis=0, keepdims=True)
+        op = emb._HellingerOperator(sparse, 1e-2, center)
+        np.testing.assert_allclose(op.matvec(x), m @ x, atol=1e-12)
+        np.testing.assert_allclose(op.rmatvec(x), m.T @ x, atol=1e-12)
+
+
+def test_randomized_hellinger_svd_matches_the_dense_one():
+    counts = emb.cooccurrence_sparse(_corpus(seed=3, rows=300), 24)
+    m = emb.hellinger_rows(counts.toarray(), smoothing=1e-3)
+    u, s, _ = np.linalg.svd(m)
+    ur, sr = emb.randomized_svd_components(emb._HellingerOperator(counts, 1e-3, False), 6)
+    np.testing.assert_allclose(sr, s[:6], rtol=1e-6)
+    # same top-6 subspace (the components themselves may differ by sign)
+    np.testing.assert_allclose(ur @ ur.T, u[:, :6] @ u[:, :6].T, atol=1e-6)
+    a = emb.hellinger_svd_embeddings(counts, 6, method="dense")
+    b = emb.hellinger_svd_embeddings(counts, 6, method="randomized")
+    np.testing.assert_allclose(a, b, atol=1e-4)  # the sign convention makes them equal, not just similar
+    assert b.tobytes() == emb.hellinger_svd_embeddings(counts, 6, method="randomized").tobytes()
+    with pytest.raises(ValueError, match="method"):
+        emb.hellinger_svd_embeddings(counts, 6, method="exact")
+
+
+def test_hellinger_svd_scales_to_a_32k_vocabulary():
+    # what the small / medium / large presets need: a dense 32k x 32k Hellinger matrix would be 8 GiB
+    v = 32768
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, v, size=200) for _ in range(500)]
+    e = emb.hellinger_svd_embeddings(emb.cooccurrence_sparse(rows, v), 32)
+    assert e.shape == (v, 32) and np.isfinite(e).all()
+    np.testing.assert_allclose(np.linalg.norm(e, axis=1), np.sqrt(32), rtol=1e-5)
+
+
 def test_baseline_embeddings():
     for fn in (emb.gaussian_embeddings, emb.one_hot_projection_embeddings):
         for dim in (8, 64):

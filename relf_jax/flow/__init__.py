@@ -7,6 +7,7 @@ and the fused flow-step kernel build on these functions.
 from relf_jax.flow.embeddings import KINDS as EMBEDDING_KINDS
 from relf_jax.flow.embeddings import (
     cooccurrence_counts,
+    cooccurrence_sparse,
     gaussian_embeddings,
     hellinger_rows,
     hellinger_svd_embeddings,
@@ -43,6 +44,7 @@ __all__ = [
     "FlowSamplerSettings",
     "bounded_residual",
     "cooccurrence_counts",
+    "cooccurrence_sparse",
     "euler_integrate",
     "euler_sample",
     "final_tokens",

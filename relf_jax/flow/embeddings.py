@@ -14,6 +14,10 @@ which frees the first component from the shared "average distribution" direction
 row norms uneven, so the rescale moves common tokens (near the mean) furthest. Both are
 available; the choice is a config value.
 
+Vocabularies of tens of thousands of tokens (the small / medium / large presets) take the
+sparse path: `cooccurrence_sparse` counts, and `hellinger_svd_embeddings(method="auto")` switches
+to a randomized SVD that applies M through sparse products (M is never formed).
+
 All builders return float32 [V, dim] arrays and are deterministic (same input -> same bits).
 """
 
@@ -97,31 +101,142 @@ def _default_norm(dim: int, norm: float | None) -> float:
     return float(np.sqrt(dim)) if norm is None else float(norm)
 
 
+DENSE_SVD_MAX_VOCAB = 4096  # above this, hellinger_svd_embeddings uses the randomized SVD
+
+
+def cooccurrence_sparse(
+    token_rows: np.ndarray | Iterable[Sequence[int]],
+    vocab_size: int,
+    window: int = 1,
+    *,
+    ignore_id: int | None = None,
+):
+    """`cooccurrence_counts` as a ``scipy.sparse.csr_matrix`` [V, V] float64: memory grows with
+    the number of distinct pairs, not V^2, so it works for 32k-token vocabularies."""
+    import scipy.sparse as sp
+
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    ws, cs = [], []
+    rows = token_rows if not isinstance(token_rows, np.ndarray) or token_rows.ndim == 2 else [token_rows]
+    for row in rows:
+        row = np.asarray(row, np.int64).reshape(-1)
+        if row.size and (row.min() < 0 or row.max() >= vocab_size):
+            raise ValueError(f"token ids must lie in [0, {vocab_size}), got [{row.min()}, {row.max()}]")
+        for k in range(1, min(window, row.size - 1) + 1):
+            w, c = row[:-k], row[k:]
+            if ignore_id is not None:
+                keep = (w != ignore_id) & (c != ignore_id)
+                w, c = w[keep], c[keep]
+            ws.append(w)
+            cs.append(c)
+    w = np.concatenate(ws) if ws else np.zeros(0, np.int64)
+    c = np.concatenate(cs) if cs else np.zeros(0, np.int64)
+    counts = sp.coo_matrix((np.ones(w.size, np.float64), (w, c)), shape=(vocab_size, vocab_size)).tocsr()
+    counts.sum_duplicates()
+    return counts
+
+
+class _HellingerOperator:
+    """M = sqrt(rownorm(C + smoothing)) (optionally column-centred) as products, never stored.
+
+    With r_i = sum_j C_ij + V * smoothing and u_i = sqrt(smoothing / r_i), every entry of row i
+    where C is zero equals u_i, so M = S + u 1^T with S sparse (S_ij = sqrt((C_ij + smoothing)
+    / r_i) - u_i on the non-zeros of C). Centring subtracts 1 mu^T, mu = M^T 1 / V.
+    """
+
+    def __init__(self, counts, smoothing: float, center: bool):
+        import scipy.sparse as sp
+
+        c = sp.csr_matrix(counts, dtype=np.float64)
+        if c.shape[0] != c.shape[1]:
+            raise ValueError(f"counts must be square [V, V], got shape {c.shape}")
+        if smoothing < 0 or (c.nnz and c.data.min() < 0):
+            raise ValueError("counts and smoothing must be non-negative")
+        v = c.shape[0]
+        totals = np.asarray(c.sum(axis=1)).reshape(-1) + v * smoothing
+        if np.any(totals <= 0):
+            raise ValueError("a token has no counts and smoothing is 0: its row of P is undefined")
+        self.u = np.sqrt(smoothing / totals)
+        row_of = np.repeat(np.arange(v), np.diff(c.indptr))
+        s = c.copy()
+        s.data = np.sqrt((c.data + smoothing) / totals[row_of]) - self.u[row_of]
+        self.s, self.st = s, s.T.tocsr()
+        self.shape = (v, v)
+        self.mu = self.rmatvec(np.ones((v, 1)))[:, 0] / v if center else None
+
+    def matvec(self, x: np.ndarray) -> np.ndarray:  # M x, x [V, k]
+        out = self.s @ x + self.u[:, None] * x.sum(axis=0, keepdims=True)
+        if self.mu is not None:
+            out = out - (self.mu @ x)[None, :]
+        return out
+
+    def rmatvec(self, y: np.ndarray) -> np.ndarray:  # M^T y, y [V, k]
+        out = self.st @ y + (self.u @ y)[None, :]
+        if getattr(self, "mu", None) is not None:
+            out = out - self.mu[:, None] * y.sum(axis=0, keepdims=True)
+        return out
+
+
+def randomized_svd_components(op, dim: int, *, oversample: int = 16, power_iters: int = 4,
+                              seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(U_d [V, dim], S_d [dim]) of an operator with matvec / rmatvec (Halko, Martinsson and
+    Tropp's randomized range finder with power iterations). Deterministic for a fixed seed."""
+    v = op.shape[0]
+    k = min(v, dim + oversample)
+    omega = np.random.default_rng(seed).standard_normal((v, k))
+    q, _ = np.linalg.qr(op.matvec(omega))
+    for _ in range(power_iters):
+        z, _ = np.linalg.qr(op.rmatvec(q))
+        q, _ = np.linalg.qr(op.matvec(z))
+    b = op.rmatvec(q).T  # Q^T M, [k, V]
+    ub, sv, _ = np.linalg.svd(b, full_matrices=False)
+    return (q @ ub)[:, :dim], sv[:dim]
+
+
 def hellinger_svd_embeddings(
-    counts: np.ndarray,
+    counts,
     dim: int,
     *,
     smoothing: float = 1e-3,
     norm: float | None = None,
     center: bool = False,
+    method: str = "auto",
+    seed: int = 0,
 ) -> np.ndarray:
     """Hellinger-SVD token embeddings E [V, dim] float32 from co-occurrence counts [V, V].
 
     E = U_d S_d of the (optionally column-centred) Hellinger matrix M = sqrt(P);
     rows rescaled to `norm` (default sqrt(dim)); then each column's largest-|value| entry is
-    made positive.
-    Exact dense SVD: O(V^2) memory, O(V^3) time (fine up to a few thousand tokens).
+    made positive. `counts` is a dense array or a scipy sparse matrix (`cooccurrence_sparse`).
+
+    method "dense": exact SVD, O(V^2) memory and O(V^3) time (fine up to a few thousand
+    tokens). "randomized": `randomized_svd_components` on M applied as sparse products
+    (`_HellingerOperator`), O(nnz(C) + V d) memory: the one for 32k vocabularies. "auto":
+    dense up to `DENSE_SVD_MAX_VOCAB` tokens, else randomized.
     Components with tied singular values are only determined up to a rotation.
     """
-    m = hellinger_rows(counts, smoothing)
-    vocab_size = m.shape[0]
+    vocab_size = counts.shape[0]
     if not 1 <= dim <= vocab_size:
         raise ValueError(f"dim must lie in [1, {vocab_size}], got {dim}")
-    if center:
-        m = m - m.mean(axis=0, keepdims=True)
-    u, s, _ = np.linalg.svd(m, full_matrices=False)
+    if method == "auto":
+        method = "dense" if vocab_size <= DENSE_SVD_MAX_VOCAB else "randomized"
+    if method == "dense":
+        dense = counts.toarray() if hasattr(counts, "toarray") else counts
+        m = hellinger_rows(dense, smoothing)
+        if center:
+            m = m - m.mean(axis=0, keepdims=True)
+        u, s, _ = np.linalg.svd(m, full_matrices=False)
+        components = u[:, :dim] * s[:dim]
+    elif method == "randomized":
+        u, s = randomized_svd_components(_HellingerOperator(counts, smoothing, center), dim, seed=seed)
+        components = u * s
+    else:
+        raise ValueError(f"method must be 'auto', 'dense' or 'randomized', got {method!r}")
     # Signs after the rescale, so the convention holds on the returned rows (flips are exact).
-    return fix_signs(rescale_rows(u[:, :dim] * s[:dim], _default_norm(dim, norm)))
+    return fix_signs(rescale_rows(components, _default_norm(dim, norm)))
 
 
 def gaussian_embeddings(vocab_size: int, dim: int, seed: int = 0, norm: float | None = None) -> np.ndarray:
