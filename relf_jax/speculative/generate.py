@@ -16,6 +16,7 @@ overwritten on the next round. The draft re-reads the last two committed tokens 
 which refreshes the one slot (the last draft token) it never wrote when all K were accepted.
 
 Static settings live on the frozen `SpecSettings`; sampling knobs are traced (`SpecParams`).
+With ``trace_top_k > 0`` every round is recorded in the state (`relf_jax.speculative.trace`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from relf_jax.config import validate_sampling
 from relf_jax.errors import UserError
 from relf_jax.models.causal_lm import init_cache
 from relf_jax.sampling import processors
+from relf_jax.speculative.trace import empty_trace, record_round
 from relf_jax.speculative.verify import RULES, verify
 
 PROPOSERS = ("draft", "prompt_lookup")
@@ -51,6 +53,7 @@ class SpecSettings:
     ngram: int = 3  # prompt lookup: longest n-gram to match
     top_k: int = 0  # static: the verification kernel has no top-k, so it selects the code path
     use_kernel: Optional[bool] = None
+    trace_top_k: int = 0  # > 0: record every round (`relf_jax.speculative.trace`) with the target's top-T
 
     def __post_init__(self):
         if self.k < 1:
@@ -61,6 +64,8 @@ class SpecSettings:
             raise UserError(f"top_k must be >= 0, got {self.top_k}")
         if self.proposer not in PROPOSERS:
             raise UserError(f"unknown proposer {self.proposer!r}; choose one of: {', '.join(PROPOSERS)}")
+        if self.trace_top_k < 0:
+            raise UserError(f"trace_top_k must be >= 0, got {self.trace_top_k}")
 
 
 @flax.struct.dataclass
@@ -93,6 +98,7 @@ class SpecState:
     accepted: jax.Array  # [B] accepted draft tokens
     accepted_at: jax.Array  # [K] active rounds whose accepted prefix reached position i
     active_rounds: jax.Array  # scalar: sum over rows of active rounds
+    trace: object = ()  # a `RoundTrace` when settings.trace_top_k > 0, else ()
 
 
 def _temperature(sp: SpecParams, settings: SpecSettings):
@@ -204,6 +210,12 @@ def _round(target_graphdef, target_params, draft_graphdef, draft_params, state: 
     tokens = jax.vmap(write)(state.tokens, lengths, cand, count)
     num_generated = state.num_generated + count
     done = state.done | (active & (first_eos < count)) | (num_generated >= settings.max_new_tokens)
+    trace = state.trace
+    if settings.trace_top_k:
+        trace = record_round(trace, state.rounds, start=lengths, active=active, draft_tokens=draft_tokens,
+                             accept=res.accept, num_accepted=n, next_token=res.next_token, count=count,
+                             target_logits=target_logits, temperature=_temperature(sp, settings),
+                             top_k=settings.top_k, top_p=sp.top_p)
     act = active.astype(jnp.int32)
     accepted_at = state.accepted_at + jnp.sum((n[:, None] > jnp.arange(k)[None, :]) & active[:, None], axis=0)
     return SpecState(tokens=tokens, lengths=lengths + count, done=done, num_generated=num_generated,
@@ -211,7 +223,7 @@ def _round(target_graphdef, target_params, draft_graphdef, draft_params, state: 
                      target_forwards=state.target_forwards + act,
                      accepted=state.accepted + jnp.where(active, jnp.minimum(n, count), 0),
                      accepted_at=accepted_at.astype(jnp.int32),
-                     active_rounds=state.active_rounds + jnp.sum(act))
+                     active_rounds=state.active_rounds + jnp.sum(act), trace=trace)
 
 
 def _prefill(target_graphdef, target_params, draft_graphdef, draft_params, prompts, prompt_lengths, key,
@@ -236,7 +248,9 @@ def _prefill(target_graphdef, target_params, draft_graphdef, draft_params, promp
     return SpecState(tokens=tokens, lengths=prompt_lengths + 1, done=done, num_generated=jnp.ones((b,), jnp.int32),
                      target_cache=tcache, draft_cache=dcache, key=key, rounds=jnp.int32(0),
                      target_forwards=jnp.ones((b,), jnp.int32), accepted=jnp.zeros((b,), jnp.int32),
-                     accepted_at=jnp.zeros((settings.k,), jnp.int32), active_rounds=jnp.int32(0))
+                     accepted_at=jnp.zeros((settings.k,), jnp.int32), active_rounds=jnp.int32(0),
+                     trace=empty_trace(settings.max_new_tokens, b, settings.k, min(settings.trace_top_k, tcfg.vocab_size))
+                     if settings.trace_top_k else ())
 
 
 @functools.partial(jax.jit, static_argnames=("target_graphdef", "draft_graphdef", "settings"))
