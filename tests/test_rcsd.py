@@ -1,8 +1,8 @@
 """RCSD building blocks: verification traces, the replay store and the RCSD loss."""
 
 import dataclasses
-import os
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +40,7 @@ def _generate(tiny_model, draft_model, rule, temperature, trace_top_k, key=3):
 
 @pytest.mark.parametrize("rule", ["greedy", "standard"])
 def test_trace_is_what_the_loop_did(tiny_model, draft_model, rule):
-    state, lens = _generate(tiny_model, draft_model, rule, 1.0, TOP)
+    state, _ = _generate(tiny_model, draft_model, rule, 1.0, TOP)
     plain, _ = _generate(tiny_model, draft_model, rule, 1.0, 0)
     assert plain.trace == ()  # off: nothing recorded
     np.testing.assert_array_equal(np.asarray(state.tokens), np.asarray(plain.tokens))  # and nothing changed
@@ -104,14 +104,13 @@ def test_replay_store_round_trip_and_torn_shards(tmp_path):
     for key in a:
         np.testing.assert_array_equal(got[key], b[key])
     # a shard torn by something else (a partial copy), a corrupted one, and a stray temporary file
-    path1 = os.path.join(store.path, "shard-00000001.npz")
-    data = open(path1, "rb").read()
-    open(path1, "wb").write(data[: len(data) // 2])
-    path2 = os.path.join(store.path, "shard-00000002.npz")
-    data = bytearray(open(path2, "rb").read())
+    path1 = Path(store.path) / "shard-00000001.npz"
+    path1.write_bytes(path1.read_bytes()[: path1.stat().st_size // 2])
+    path2 = Path(store.path) / "shard-00000002.npz"
+    data = bytearray(path2.read_bytes())
     data[len(data) // 3] ^= 0xFF
-    open(path2, "wb").write(bytes(data))
-    open(os.path.join(store.path, ".tmp-1-00000003.npz"), "wb").write(b"partial")
+    path2.write_bytes(bytes(data))
+    (Path(store.path) / ".tmp-1-00000003.npz").write_bytes(b"partial")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         everything = store.read_all()

@@ -43,7 +43,9 @@ class RoundTrace:
 
 
 def empty_trace(rounds: int, batch: int, k: int, top: int) -> RoundTrace:
-    zi = lambda *s: jnp.zeros(s, jnp.int32)  # noqa: E731
+    def zi(*shape):
+        return jnp.zeros(shape, jnp.int32)
+
     return RoundTrace(start=zi(rounds, batch), active=jnp.zeros((rounds, batch), bool),
                       draft_tokens=zi(rounds, batch, k), accept=jnp.zeros((rounds, batch, k), bool),
                       num_accepted=zi(rounds, batch), next_token=zi(rounds, batch), count=zi(rounds, batch),
