@@ -82,7 +82,7 @@ def test_in_nucleus_on_compressed_distributions():
     assert in_nucleus(ids, probs, 4, 0.6) and in_nucleus(ids, probs, 1, 0.6)
     assert not in_nucleus(ids, probs, 7, 0.6)
     assert not in_nucleus(ids, probs, 9, 0.9)  # outside the logged top 3, whose mass 0.95 covers the nucleus
-    assert in_nucleus(ids, probs, 9, 0.99)  # might be inside: left alone
+    assert not in_nucleus(ids, probs, 9, 0.99)  # below all logged tokens: judged outside
 
 
 def _examples(n=3, s=6, top=2, seed=0):

@@ -5,8 +5,10 @@ Batches are `relf_jax.speculative.trace.examples_from_trace` examples (position 
 prediction of token j + 1). With q the draft being trained and q_ref a frozen reference draft
 (the starting distilled draft):
 
-- distillation ("topk_ce"): at logged positions, cross-entropy of q against the target's
-  logged top-T probabilities, -sum_t p_t log q(id_t) (the mass outside the top T is dropped);
+- distillation ("topk_ce"): at logged positions, the cross-entropy of q against the target on
+  the partition {top-T tokens, everything else}: -sum_t p_t log q(id_t) - r log(1 - sum_t q(id_t))
+  with r = 1 - sum_t p_t the unlogged mass. (Dropping the second term would teach the draft to
+  put all its mass on the top T, sharper than the target, which lowers min(1, p/q) acceptance.)
   "hass_topk": both distributions restricted to the target's top-T tokens and renormalised,
   -sum_t p~_t log q~(id_t) (HASS-style top-K distillation);
 - preference (DPO-style) at each first rejection whose rejected token is outside the
@@ -45,7 +47,8 @@ class RCSDLossSettings:
             raise ValueError("loss weights must be >= 0 and beta > 0")
 
 
-def _inputs(batch):
+def rcsd_inputs(batch):
+    """(tokens, positions, segment ids) [B, S] of a batch of examples."""
     tokens = batch["tokens"]
     b, s = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
@@ -61,7 +64,9 @@ def rcsd_terms(draft_logits, ref_logits, batch, settings: RCSDLossSettings) -> d
     n_dist = jnp.maximum(dmask.sum(), 1.0)
     logq_top = jnp.take_along_axis(logq, ids, axis=-1)  # [B, S, T]
     if settings.distill == "topk_ce":
-        ce = -(probs * logq_top).sum(-1)
+        rest_p = jnp.clip(1.0 - probs.sum(-1), 0.0, 1.0)
+        q_top = jnp.clip(jnp.exp(logq_top).sum(-1), 0.0, 1.0 - 1e-6)
+        ce = -(probs * logq_top).sum(-1) - rest_p * jnp.log1p(-q_top)
     else:
         p_tilde = probs / jnp.maximum(probs.sum(-1, keepdims=True), 1e-30)
         ce = -(p_tilde * jax.nn.log_softmax(logq_top, axis=-1)).sum(-1)
@@ -92,7 +97,7 @@ def make_rcsd_loss(reference_graphdef, settings: RCSDLossSettings = RCSDLossSett
 
     def loss_fn(model, batch, key, reference_params):
         del key
-        tokens, positions, seg = _inputs(batch)
+        tokens, positions, seg = rcsd_inputs(batch)
         draft_logits, _ = model(tokens, positions, segment_ids=seg)
         ref_logits, _ = nnx.merge(reference_graphdef, reference_params)(tokens, positions, segment_ids=seg)
         t = rcsd_terms(draft_logits, ref_logits, batch, settings)

@@ -77,15 +77,13 @@ EXAMPLE_KEYS = ("tokens", "length", "dist_ids", "dist_probs", "dist_mask", "pref
 def in_nucleus(ids: np.ndarray, probs: np.ndarray, token: int, top_p: float) -> bool:
     """Is `token` inside the top-p nucleus of a top-T compressed distribution (sorted ids/probs)?
 
-    A token outside the logged top T is counted as inside when the logged mass is below top_p
-    (it might be): the preference term then leaves it alone, the conservative side.
+    Judged on the logged top T: a token outside them counts as outside the nucleus (exact when
+    the logged mass reaches top_p; otherwise the unlogged tokens are the least probable ones,
+    and a rejected draft token there is one the target rates below all T logged tokens).
     """
     before = np.cumsum(probs) - probs
-    kept = before < top_p
     where = np.flatnonzero(ids == token)
-    if where.size:
-        return bool(kept[where[0]])
-    return bool(probs.sum() < top_p)
+    return bool(where.size and before[where[0]] < top_p)
 
 
 def examples_from_trace(tokens, lengths, trace: RoundTrace, *, nucleus_top_p: float = 0.9,

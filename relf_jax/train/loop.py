@@ -202,7 +202,9 @@ def train(cfg: Config, model_cfg: ModelConfig, loss_fn: LossFn, data: Iterator[d
         step, resumed_from = 0, None
         params, opt_state = init_state(plan, model_cfg, jax.random.key(tc.seed))
         if init_params is not None:
-            params = jax.device_put(init_params, plan.param_shardings)
+            # a copy: the train step donates its parameters, and the caller may still use (or
+            # pass as `frozen`) the arrays it gave
+            params = jax.device_put(jax.tree.map(jnp.copy, init_params), plan.param_shardings)
             with jax.set_mesh(mesh):
                 opt_state = jax.jit(plan.tx.init, out_shardings=plan.opt_shardings)(params)
 
