@@ -13,6 +13,7 @@ Parses arguments and calls library functions; holds no method. Config overrides 
     relf-jax train --preset tiny --workdir runs/tiny model=relf
     relf-jax reflow --workdir runs/tiny --rounds 2
     relf-jax sample --workdir runs/tiny/relf_reflow2 model=relf nfe=16 sampler=euler
+    relf-jax rcsd --target runs/tiny --cycles 10
     relf-jax demo --quick
     relf-jax info
 
@@ -47,6 +48,18 @@ def _parser() -> argparse.ArgumentParser:
     rf.add_argument("--pairs", type=int, default=512, help="rollout pairs per round")
     rf.add_argument("--steps", type=int, default=None, help="train steps per round (default train.steps)")
     rf.add_argument("--data-weight", type=float, default=0.2, help="lambda: weight of the data loss")
+
+    rc = sub.add_parser("rcsd", help="continual RCSD: serve speculatively, log traces, keep training the draft")
+    rc.add_argument("--target", required=True, help="the target's run directory")
+    rc.add_argument("--draft", default=None, help="the starting draft (default <target>/draft)")
+    rc.add_argument("--workdir", default=None, help="replay store, trained draft, progress (default <target>/rcsd)")
+    rc.add_argument("--cycles", type=int, default=10)
+    rc.add_argument("--prompts-per-cycle", type=int, default=32)
+    rc.add_argument("--prompts", default=None, help="a text file, one prompt per line (default: fresh "
+                                                    "synthetic_chat prompts)")
+    rc.add_argument("--steps-per-cycle", type=int, default=20)
+    rc.add_argument("--rule", default="standard", choices=["standard", "nsd"])
+    rc.add_argument("--pref-weight", type=float, default=1.0, help="0: online distillation only")
 
     s = sub.add_parser("sample", help="sample from a trained checkpoint")
     s.add_argument("--workdir", required=True)
@@ -125,6 +138,8 @@ def _run(args) -> int:
         print(json.dumps(workflows.reflow(args.workdir, args.rounds, num_pairs=args.pairs, steps=args.steps,
                                           data_weight=args.data_weight), indent=2))
         return 0
+    if args.command == "rcsd":
+        return _rcsd(args)
     if args.command == "train-draft":
         target = args.target
         rest = []
@@ -202,6 +217,41 @@ def _run(args) -> int:
             workflows.write_json(args.out, out)
         return 0
     raise AssertionError(args.command)
+
+
+def _rcsd(args) -> int:
+    from relf_jax import workflows
+    from relf_jax.config import ConfigError
+    from relf_jax.speculative.continual import ContinualDraftTrainer, ContinualSettings
+    from relf_jax.speculative.rcsd import RCSDLossSettings
+
+    if args.cycles < 1 or args.prompts_per_cycle < 1 or args.steps_per_cycle < 0 or args.pref_weight < 0:
+        raise ConfigError("rcsd needs --cycles >= 1, --prompts-per-cycle >= 1, --steps-per-cycle >= 0, "
+                          "--pref-weight >= 0")
+    target = workflows.load_model(args.target, "ar")
+    draft = workflows.load_model(args.draft or os.path.join(args.target, "draft"), "ar")
+    n = args.cycles * args.prompts_per_cycle
+    if args.prompts:
+        if not os.path.exists(args.prompts):
+            raise ConfigError(f"--prompts file {args.prompts} does not exist")
+        with open(args.prompts) as f:
+            texts = [line.strip() for line in f if line.strip()]
+        if not texts:
+            raise ConfigError(f"--prompts file {args.prompts} has no prompts")
+        texts = [texts[i % len(texts)] for i in range(n)]
+    else:
+        judge = workflows.exact_judge(target.cfg)
+        texts = [info["prompt"] for info in judge.grammar.sample_with_info(n, 4242)]
+    ids = [workflows.encode_prompt(target.tokenizer, t) for t in texts]
+    batches = [ids[c * args.prompts_per_cycle:(c + 1) * args.prompts_per_cycle] for c in range(args.cycles)]
+    k, context = 4, min(target.model_cfg.max_seq_len, draft.model_cfg.max_seq_len)
+    prompt_len = min(64, context // 2)
+    settings = ContinualSettings(steps_per_cycle=args.steps_per_cycle, rule=args.rule, k=k, prompt_len=prompt_len,
+                                 max_new_tokens=min(64, context - prompt_len - k - 1),
+                                 loss=RCSDLossSettings(pref_weight=args.pref_weight))
+    trainer = ContinualDraftTrainer(target, draft, args.workdir or os.path.join(args.target, "rcsd"), settings)
+    trainer.run(batches, on_cycle=lambda r: print(json.dumps(r), flush=True))
+    return 0
 
 
 if __name__ == "__main__":

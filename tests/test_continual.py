@@ -80,3 +80,20 @@ def test_continual_run_resumes_without_losing_traces(target_and_draft, tmp_path)
     assert [r["cycle"] for r in records] == [2, 3]
     assert len(third.store) == 3  # cycle 2 was not served twice, nothing was lost
     assert workflows.latest_meta(os.path.join(wd, "draft"))["step"] == 3 * SETTINGS.steps_per_cycle
+
+
+def test_rcsd_command_line(target_and_draft, tmp_path, capsys):
+    from experiments.launch import main
+
+    target, _ = target_and_draft
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("<user> hello there <assistant>\n\n<user> what should i cook <assistant>\n")
+    wd = str(tmp_path / "rcsd")
+    args = ["rcsd", "--target", target.cfg.workdir, "--workdir", wd, "--cycles", "2", "--prompts-per-cycle", "4",
+            "--steps-per-cycle", "2", "--prompts", str(prompts)]
+    assert main(args) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert [r["cycle"] for r in lines] == [1, 2] and all(r["tau"] >= 1 for r in lines)
+    assert main(args) == 0  # finished: nothing to redo
+    assert main(["rcsd", "--target", target.cfg.workdir, "--cycles", "0"]) == 2
+    assert main(["rcsd", "--target", target.cfg.workdir, "--prompts", str(tmp_path / "missing.txt")]) == 2
