@@ -18,7 +18,7 @@ from relf_jax.config import SpeculativeConfig, make_config
 from relf_jax.train.metrics import read_metrics
 
 AR_TEMPERATURES = (1.0, 0.8)
-RELF_REFLOW_PAIRS = 128
+RELF_REFLOW_PAIRS = 64
 
 
 def _relf_row(lm, judge, n: int, label: str, *, nfe: int, sampler: str) -> dict:
@@ -67,15 +67,15 @@ def run_demo(quick: bool = False, workdir: Optional[str] = None, overrides: Sequ
                      "distinct_2": q["distinct_2"], "mean_tokens": q["mean_tokens"]})
 
     # ReLF: a flow model of the same width and depth, then two short regularised reflow rounds.
-    # Half the AR training budget keeps the demo within its 10 minutes; `relf-jax bench relf`
-    # compares at equal budgets.
-    relf_steps = max(1, cfg.train.steps // 2)
+    # A fifth of the AR training budget keeps the demo within its 10 minutes; `relf-jax bench
+    # relf` compares at equal budgets.
+    relf_steps = max(1, cfg.train.steps // 5)
     workflows.train_lm(make_config(preset, [*overrides, "model=relf", f"train.steps={relf_steps}"], workdir=workdir))
     relf = workflows.load_model(os.path.join(cfg.workdir, "relf"), "relf")
     rows.append(_relf_row(relf, judge, sc.num_samples, "relf stochastic", nfe=64, sampler="stochastic"))
     rows.append(_relf_row(relf, judge, sc.num_samples, "relf euler", nfe=16, sampler="euler"))
-    workflows.reflow(cfg.workdir, rounds=2, num_pairs=RELF_REFLOW_PAIRS, rollout_nfe=32,
-                     steps=max(1, relf_steps // 4))
+    workflows.reflow(cfg.workdir, rounds=2, num_pairs=RELF_REFLOW_PAIRS, rollout_nfe=16,
+                     steps=max(1, relf_steps // 8))
     reflowed = workflows.load_model(os.path.join(cfg.workdir, "relf_reflow2"), "relf")
     rows.append(_relf_row(reflowed, judge, sc.num_samples, "relf euler reflow2", nfe=16, sampler="euler"))
 
@@ -139,7 +139,7 @@ def render_markdown(report: dict) -> str:
     return (f"# relf-jax demo ({report['preset']})\n\nQuality is a pair: generative perplexity under the "
             f"{report['judge']} and mean per-sample unigram entropy (nats). NFE = target forward passes per "
             f"sample (AR: one per token; speculative: one per draft/verify round; ReLF: network calls for the "
-            f"whole sequence, trained on half the AR budget).\n\n"
+            f"whole sequence, trained on a fifth of the AR budget).\n\n"
             f"{head}{body}\nTraining: {t['steps']} steps, final loss {_fmt(t['final_loss'], 3)}, eval loss "
             f"{_fmt(t['eval_loss'], 3)}, {_fmt(t['tokens_per_s'])} tokens/s.\n\nDecode tokens/s: batch 1 "
             f"{_fmt(report['decode_tokens_per_s']['1'])}, batch 8 {_fmt(report['decode_tokens_per_s']['8'])}.\n\n"

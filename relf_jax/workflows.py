@@ -255,7 +255,7 @@ def reflow(workdir: str, rounds: int = 2, *, num_pairs: int = 512, rollout_nfe: 
                                  length=cfg.data.seq_len, settings=settings, nfe=rollout_nfe,
                                  batch=cfg.sample.batch_size)
         before = measure_straightness(lm.graphdef, lm.params, table, z0, toks, settings=settings)
-        builder = prepare_data(cfg)
+        builder = prepare_data(cfg, root=workdir)  # the run's data (a round's own cfg.workdir is its model dir)
         train_cfg = dataclasses.replace(cfg.train, steps=steps or cfg.train.steps)
         rcfg = dataclasses.replace(cfg, train=train_cfg, workdir=target_dir)
         data = pipeline.make_iterator(builder, "train", lm.tokenizer, seq_len=cfg.data.seq_len,
