@@ -1,5 +1,6 @@
 """The continual RCSD loop on a tiny trained target: learning, resuming, no lost traces."""
 
+import dataclasses
 import json
 import os
 
@@ -60,11 +61,12 @@ def test_continual_run_resumes_without_losing_traces(target_and_draft, tmp_path)
     target, draft = target_and_draft
     wd = str(tmp_path / "run")
     batches = [_prompts(target, 8, seed=s) for s in (2, 3, 4)]
-    first = ContinualDraftTrainer(target, draft, wd, SETTINGS)
+    settings = dataclasses.replace(SETTINGS, steps_per_cycle=4)
+    first = ContinualDraftTrainer(target, draft, wd, settings)
     first.run(batches, cycles=1)
 
     # killed after serving cycle 2, before its training finished
-    second = ContinualDraftTrainer(target, draft, wd, SETTINGS)
+    second = ContinualDraftTrainer(target, draft, wd, settings)
 
     def killed(*a, **k):
         raise KeyboardInterrupt
@@ -75,11 +77,11 @@ def test_continual_run_resumes_without_losing_traces(target_and_draft, tmp_path)
     progress = json.load(open(os.path.join(wd, "progress.json")))
     assert (progress["served"], progress["trained"]) == (2, 1) and len(second.store) == 2
 
-    third = ContinualDraftTrainer(target, draft, wd, SETTINGS)  # resumes: trains cycle 2 on what it served
+    third = ContinualDraftTrainer(target, draft, wd, settings)  # resumes: trains cycle 2 on what it served
     records = third.run(batches)
     assert [r["cycle"] for r in records] == [2, 3]
     assert len(third.store) == 3  # cycle 2 was not served twice, nothing was lost
-    assert workflows.latest_meta(os.path.join(wd, "draft"))["step"] == 3 * SETTINGS.steps_per_cycle
+    assert workflows.latest_meta(os.path.join(wd, "draft"))["step"] == 3 * settings.steps_per_cycle
 
 
 def test_rcsd_command_line(target_and_draft, tmp_path, capsys):
