@@ -30,6 +30,28 @@ import numpy as np
 KINDS = ("hellinger_svd", "gaussian", "one_hot_projection")
 
 
+def _pairs(token_rows, vocab_size: int, window: int, ignore_id: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """All forward pairs (row[i], row[i + k]), k = 1..window, as two int64 arrays (w, c)."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    ws, cs = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    rows = token_rows if not isinstance(token_rows, np.ndarray) or token_rows.ndim == 2 else [token_rows]
+    for row in rows:
+        row = np.asarray(row, np.int64).reshape(-1)
+        if row.size and (row.min() < 0 or row.max() >= vocab_size):
+            raise ValueError(f"token ids must lie in [0, {vocab_size}), got [{row.min()}, {row.max()}]")
+        for k in range(1, min(window, row.size - 1) + 1):
+            w, c = row[:-k], row[k:]
+            if ignore_id is not None:
+                keep = (w != ignore_id) & (c != ignore_id)
+                w, c = w[keep], c[keep]
+            ws.append(w)
+            cs.append(c)
+    return np.concatenate(ws), np.concatenate(cs)
+
+
 def cooccurrence_counts(
     token_rows: np.ndarray | Iterable[Sequence[int]],
     vocab_size: int,
@@ -43,22 +65,8 @@ def cooccurrence_counts(
     (window 1 = next token). `token_rows` is a 2-D int array [N, S] or any iterable of token
     sequences (ragged rows allowed). Pairs touching `ignore_id` (e.g. padding) are skipped.
     """
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    if vocab_size < 1:
-        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-    flat = np.zeros(vocab_size * vocab_size, np.float64)
-    rows = token_rows if not isinstance(token_rows, np.ndarray) or token_rows.ndim == 2 else [token_rows]
-    for row in rows:
-        row = np.asarray(row, np.int64).reshape(-1)
-        if row.size and (row.min() < 0 or row.max() >= vocab_size):
-            raise ValueError(f"token ids must lie in [0, {vocab_size}), got [{row.min()}, {row.max()}]")
-        for k in range(1, min(window, row.size - 1) + 1):
-            w, c = row[:-k], row[k:]
-            if ignore_id is not None:
-                keep = (w != ignore_id) & (c != ignore_id)
-                w, c = w[keep], c[keep]
-            flat += np.bincount(w * vocab_size + c, minlength=vocab_size * vocab_size)
+    w, c = _pairs(token_rows, vocab_size, window, ignore_id)
+    flat = np.bincount(w * vocab_size + c, minlength=vocab_size * vocab_size).astype(np.float64)
     return flat.reshape(vocab_size, vocab_size)
 
 
@@ -115,25 +123,7 @@ def cooccurrence_sparse(
     the number of distinct pairs, not V^2, so it works for 32k-token vocabularies."""
     import scipy.sparse as sp
 
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    if vocab_size < 1:
-        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-    ws, cs = [], []
-    rows = token_rows if not isinstance(token_rows, np.ndarray) or token_rows.ndim == 2 else [token_rows]
-    for row in rows:
-        row = np.asarray(row, np.int64).reshape(-1)
-        if row.size and (row.min() < 0 or row.max() >= vocab_size):
-            raise ValueError(f"token ids must lie in [0, {vocab_size}), got [{row.min()}, {row.max()}]")
-        for k in range(1, min(window, row.size - 1) + 1):
-            w, c = row[:-k], row[k:]
-            if ignore_id is not None:
-                keep = (w != ignore_id) & (c != ignore_id)
-                w, c = w[keep], c[keep]
-            ws.append(w)
-            cs.append(c)
-    w = np.concatenate(ws) if ws else np.zeros(0, np.int64)
-    c = np.concatenate(cs) if cs else np.zeros(0, np.int64)
+    w, c = _pairs(token_rows, vocab_size, window, ignore_id)
     counts = sp.coo_matrix((np.ones(w.size, np.float64), (w, c)), shape=(vocab_size, vocab_size)).tocsr()
     counts.sum_duplicates()
     return counts
