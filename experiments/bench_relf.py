@@ -32,6 +32,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from experiments.bench import _find as _pick
+from experiments.bench import _write_json
 from relf_jax.config import make_config
 
 AR_TEMPERATURES = (0.6, 0.7, 0.8, 0.9, 1.0, 1.1)
@@ -202,13 +204,6 @@ def _ratio(a, b):
     return None if a is None or b is None else a / b
 
 
-def _pick(rows, **kw):
-    for r in rows:
-        if all(r.get(k) == v for k, v in kw.items()):
-            return r
-    return None
-
-
 def targets(rows: Sequence[dict], budgets: Sequence[int]) -> dict:
     """The issue's targets as measured ratios (lower gen PPL is better)."""
     out = {}
@@ -252,9 +247,3 @@ def targets(rows: Sequence[dict], budgets: Sequence[int]) -> dict:
         out["renoise_marginal_over_linear"] = {"gen_ppl": _ratio(marg["gen_ppl"], lin["gen_ppl"]),
                                                "entropy_delta": marg["entropy"] - lin["entropy"]}
     return out
-
-
-def _write_json(path: str, obj) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)

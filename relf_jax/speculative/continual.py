@@ -67,12 +67,13 @@ class ReplayBatches:
     def __init__(self, store: ReplayStore, batch_size: int, *, recent_shards: Sequence[int],
                  recent_fraction: float, seed: int):
         parts, recent, n = [], [], 0
+        recent_set = set(recent_shards)
         for shard in store.shard_ids():
             arrays = store.read(shard)
             if arrays is None:
                 continue  # torn: skipped (read() warned)
             size = arrays["length"].shape[0]
-            if shard in set(recent_shards):
+            if shard in recent_set:
                 recent.append(np.arange(n, n + size))
             parts.append(arrays)
             n += size
