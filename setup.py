@@ -12,6 +12,7 @@ CORE = [
     "importlib_resources",
     "sentencepiece>=0.2",
     "numpy>=1.26",
+    "scipy",  # sparse co-occurrence counts for the Hellinger-SVD embeddings (also a jax dependency)
     "tqdm>=4.66",
     "matplotlib>=3.8",
     "tensorboardX>=2.6",
