@@ -15,6 +15,7 @@ corrupt) is skipped with a warning and the previous one is used.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
 import os
 import warnings
@@ -23,6 +24,7 @@ from typing import Any, Optional
 import jax
 import orbax.checkpoint as ocp
 
+from relf_jax.config import Config, ModelConfig
 from relf_jax.errors import UserError
 
 _log = logging.getLogger(__name__)
@@ -136,3 +138,20 @@ class Checkpointer:
 def tokenizer_bytes_from_meta(meta: dict) -> Optional[bytes]:
     b64 = meta.get("tokenizer_b64")
     return base64.b64decode(b64) if b64 else None
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A restored model: config, network (graphdef + params), tokenizer, checkpoint step.
+
+    Produced by `relf_jax.workflows.load_model` (relf_jax checkpoints) and by
+    `relf_jax.export.hf.from_hf` / `relf_jax.export.safetensors_io.load_safetensors`.
+    """
+
+    cfg: Config
+    model_cfg: ModelConfig
+    graphdef: Any
+    params: Any
+    tokenizer: Any  # relf_jax.data.tokenizer.Tokenizer or HFTokenizer
+    step: int
+    model_dir: str = ""

@@ -44,6 +44,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     tie_embeddings: bool = True
+    # relf_jax's own convention: input embeddings times sqrt(d_model), tied logits times
+    # d_model**-0.5. HuggingFace Llama/Qwen2 use neither (False for imported checkpoints).
+    embed_scaling: bool = True
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
     dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     flow_embed_dim: int = 32  # relf: width of the fixed token embeddings (paper's best: 32)

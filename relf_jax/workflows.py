@@ -23,10 +23,10 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
-from relf_jax.checkpoint import Checkpointer, tokenizer_bytes_from_meta
+from relf_jax.checkpoint import Checkpointer, LoadedModel, tokenizer_bytes_from_meta
 from relf_jax.config import Config, ModelConfig, SampleConfig, SpeculativeConfig, validate_sampling
 from relf_jax.data import pipeline, sources
-from relf_jax.data.tokenizer import Tokenizer, train_tokenizer
+from relf_jax.data.tokenizer import Tokenizer, tokenizer_from_bytes, train_tokenizer
 from relf_jax.errors import UserError
 from relf_jax.eval.judges import ExactJudge, ModelJudge
 from relf_jax.eval.metrics import quality
@@ -324,19 +324,6 @@ def train_draft(target_dir: str, overrides: Sequence[str] = (), workdir: Optiona
                  extra_meta={"role": "draft", "target": os.path.abspath(target_dir)})
 
 
-@dataclasses.dataclass
-class LoadedModel:
-    """A restored model: config, network (graphdef + params), tokenizer, checkpoint step."""
-
-    cfg: Config
-    model_cfg: ModelConfig
-    graphdef: object
-    params: object
-    tokenizer: Tokenizer
-    step: int
-    model_dir: str = ""
-
-
 def latest_meta(model_dir: str) -> dict:
     """The metadata of the newest readable checkpoint in `model_dir` (UserError if none)."""
     ckpt = Checkpointer(model_dir, async_save=False, read_only=True)
@@ -364,7 +351,7 @@ def load_model(workdir: str, family: str = "ar") -> LoadedModel:
     if tok_bytes is None:
         raise UserError(f"the checkpoint in {model_dir} carries no tokenizer")
     return LoadedModel(cfg=cfg, model_cfg=model_cfg, graphdef=graphdef, params=params,
-                       tokenizer=Tokenizer(tok_bytes), step=int(meta["step"]), model_dir=model_dir)
+                       tokenizer=tokenizer_from_bytes(tok_bytes), step=int(meta["step"]), model_dir=model_dir)
 
 
 @dataclasses.dataclass

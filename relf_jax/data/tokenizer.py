@@ -170,3 +170,89 @@ class Tokenizer:
     @classmethod
     def load(cls, path: str | os.PathLike) -> Tokenizer:
         return cls(epath.Path(path).read_bytes())
+
+
+# ----------------------------------------------------------------------------- imported tokenizers
+
+_HF_MAGIC = b'{"relf_hf_tokenizer"'
+
+
+class HFTokenizer:
+    """A HuggingFace ``tokenizer.json`` (via the ``tokenizers`` library) with explicit special ids.
+
+    Used for checkpoints imported from HuggingFace. Same interface as `Tokenizer`; special ids
+    come from the checkpoint (a model without a pad token pads with its eos id). Serialized by
+    `to_bytes` as one JSON document, which `tokenizer_from_bytes` recognises.
+    """
+
+    def __init__(self, tokenizer_json: str, *, bos_id: int, eos_id: int, pad_id: int, unk_id: int = -1):
+        from tokenizers import Tokenizer as _Backend
+
+        self._json = tokenizer_json
+        self._tk = _Backend.from_str(tokenizer_json)
+        self.bos_id, self.eos_id, self.pad_id, self.unk_id = int(bos_id), int(eos_id), int(pad_id), int(unk_id)
+
+    def __getstate__(self) -> dict:
+        return {"bytes": self.to_bytes()}
+
+    def __setstate__(self, state: dict) -> None:
+        other = HFTokenizer.from_bytes(state["bytes"])
+        self.__dict__.update(other.__dict__)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(vocab_size={self.vocab_size})"
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tk.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def backend(self):
+        """The `tokenizers.Tokenizer` underneath."""
+        return self._tk
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; no bos/eos added."""
+        return self._tk.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tk.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        """Text of ``ids``: stops at the first eos, drops pad and bos."""
+        out = []
+        for i in np.asarray(ids, dtype=np.int64).reshape(-1).tolist():
+            if i == self.eos_id:
+                break
+            if i != self.pad_id and i != self.bos_id:
+                out.append(i)
+        return self._tk.decode(out, skip_special_tokens=False)
+
+    def id_to_piece(self, token_id: int) -> str:
+        return self._tk.id_to_token(int(token_id))
+
+    def piece_to_id(self, piece: str) -> int:
+        i = self._tk.token_to_id(piece)
+        return self.unk_id if i is None else i
+
+    def to_bytes(self) -> bytes:
+        import json
+
+        head = {"relf_hf_tokenizer": 1, "bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id,
+                "unk_id": self.unk_id, "tokenizer_json": self._json}
+        return json.dumps(head).encode("utf-8")
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> HFTokenizer:
+        import json
+
+        head = json.loads(data.decode("utf-8"))
+        return cls(head["tokenizer_json"], bos_id=head["bos_id"], eos_id=head["eos_id"], pad_id=head["pad_id"],
+                   unk_id=head.get("unk_id", -1))
+
+
+def tokenizer_from_bytes(data: bytes) -> Tokenizer | HFTokenizer:
+    """The tokenizer serialized by either class's ``to_bytes`` (as stored in checkpoints)."""
+    if data.startswith(_HF_MAGIC):
+        return HFTokenizer.from_bytes(data)
+    return Tokenizer(data)

@@ -37,7 +37,7 @@ class CausalLM(nnx.Module):
         self.blocks = nnx.List([
             TransformerBlock(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim,
                              rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps, rngs=rngs,
-                             dtype=dtype, param_dtype=pdtype)
+                             dtype=dtype, param_dtype=pdtype, qkv_bias=cfg.qkv_bias)
             for _ in range(cfg.num_layers)
         ])
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs, param_dtype=pdtype)
@@ -59,7 +59,8 @@ class CausalLM(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
-        x = x * jnp.asarray(self.cfg.d_model ** 0.5, self.dtype)
+        if self.cfg.embed_scaling:
+            x = x * jnp.asarray(self.cfg.d_model ** 0.5, self.dtype)
         x = constrain(x, ("batch", "length", "embed"))
         if cache is None:
             idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -74,7 +75,9 @@ class CausalLM(nnx.Module):
             new_cache.append(c)
         x = self.final_norm(x).astype(jnp.float32)
         if self.cfg.tie_embeddings:
-            logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(jnp.float32)) * self.cfg.d_model ** -0.5
+            logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(jnp.float32))
+            if self.cfg.embed_scaling:
+                logits = logits * self.cfg.d_model ** -0.5
         else:
             logits = x @ self.lm_head[...].astype(jnp.float32)
         logits = constrain(logits, ("batch", "length", "vocab"))

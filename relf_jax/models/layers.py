@@ -88,7 +88,8 @@ class Attention(nnx.Module):
     """Grouped-query attention with RoPE and an optional fixed-size KV cache."""
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-                 rope_theta: float, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+                 rope_theta: float, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
+                 qkv_bias: bool = False):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope_theta, self.dtype = rope_theta, dtype
         init = _dense_init(d_model)
@@ -97,6 +98,12 @@ class Attention(nnx.Module):
         self.wv = make_param(rngs, init, (d_model, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), param_dtype)
         self.wo = make_param(rngs, _dense_init(num_heads * head_dim), (num_heads, head_dim, d_model),
                              ("heads", "head_dim", "embed"), param_dtype)
+        self.qkv_bias = qkv_bias
+        if qkv_bias:
+            zeros = jax.nn.initializers.zeros
+            self.bq = make_param(rngs, zeros, (num_heads, head_dim), ("heads", "head_dim"), param_dtype)
+            self.bk = make_param(rngs, zeros, (num_kv_heads, head_dim), ("kv_heads", "head_dim"), param_dtype)
+            self.bv = make_param(rngs, zeros, (num_kv_heads, head_dim), ("kv_heads", "head_dim"), param_dtype)
 
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array,
                  cache: Optional[tuple[jax.Array, jax.Array]] = None,
@@ -111,6 +118,8 @@ class Attention(nnx.Module):
         q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
         k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
         v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
+        if self.qkv_bias:
+            q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
         q = apply_rope(q, positions, self.rope_theta)
         k = jnp.swapaxes(apply_rope(k, positions, self.rope_theta), 1, 2)  # [B, K, T, Dh]
         v = jnp.swapaxes(v, 1, 2)
@@ -170,10 +179,10 @@ class TransformerBlock(nnx.Module):
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, mlp_dim: int, *,
                  rope_theta: float = 10000.0, norm_eps: float = 1e-6, cond_dim: int = 0,
-                 rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+                 rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32, qkv_bias: bool = False):
         self.attn_norm = RMSNorm(d_model, eps=norm_eps, rngs=rngs, param_dtype=param_dtype)
         self.attn = Attention(d_model, num_heads, num_kv_heads, head_dim, rope_theta=rope_theta,
-                              rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+                              rngs=rngs, dtype=dtype, param_dtype=param_dtype, qkv_bias=qkv_bias)
         self.mlp_norm = RMSNorm(d_model, eps=norm_eps, rngs=rngs, param_dtype=param_dtype)
         self.mlp = SwiGLU(d_model, mlp_dim, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.cond_dim = cond_dim

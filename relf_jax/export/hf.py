@@ -1,0 +1,391 @@
+"""HuggingFace Llama / Qwen2 checkpoints in and out of relf_jax's causal LM.
+
+Import: `from_hf(path)` reads a *local* HuggingFace directory (``config.json``; safetensors
+weights, single-file or sharded with ``model.safetensors.index.json``; ``tokenizer.json`` or a
+SentencePiece ``tokenizer.model``) into a `LoadedModel`; `import_hf(path, out)` also writes it
+as a relf_jax checkpoint that every `relf-jax` command reads. Nothing is fetched from a hub.
+
+Export: `export_hf(lm, out)` writes ``config.json`` + ``model.safetensors`` + tokenizer files
+that ``transformers`` loads as ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM`` for a model with
+q/k/v biases).
+
+Weight layout (HF -> relf_jax; HF linear weights are [out, in]):
+
+    model.embed_tokens.weight [V, D]            -> embed [V, D]
+    layers.i.self_attn.{q,k,v}_proj.weight       -> blocks.i.attn.w{q,k,v} [D, heads, Dh]
+    layers.i.self_attn.{q,k,v}_proj.bias (Qwen2) -> blocks.i.attn.b{q,k,v} [heads, Dh]
+    layers.i.self_attn.o_proj.weight [D, H*Dh]   -> blocks.i.attn.wo [H, Dh, D]
+    layers.i.mlp.{gate,up,down}_proj.weight      -> blocks.i.mlp.w_{gate,up,down} (transposed)
+    layers.i.{input,post_attention}_layernorm    -> blocks.i.{attn,mlp}_norm.scale
+    model.norm.weight                            -> final_norm.scale
+    lm_head.weight [V, D] (untied)               -> lm_head [D, V]
+
+Both use the same rotary convention (rotate-half, theta ** (-2i / Dh)), RMSNorm in float32 and
+SwiGLU, so the logits agree to float32 rounding. relf_jax's own models scale input embeddings by
+sqrt(D) and tied logits by 1/sqrt(D) (`ModelConfig.embed_scaling`); on export this is folded into
+untied ``embed_tokens`` / ``lm_head`` weights, so the exported model computes the same function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import tempfile
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from relf_jax.checkpoint import LoadedModel
+from relf_jax.config import Config, ModelConfig
+from relf_jax.data.tokenizer import CHAT_MARKERS, HFTokenizer, Tokenizer
+from relf_jax.errors import UserError
+from relf_jax.export.flat import flat_params, params_from_flat, save_checkpoint
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+# ----------------------------------------------------------------------------- config
+
+def _rope_theta(hf: dict) -> float:
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise UserError(f"rope scaling {kind!r} is not supported (only plain RoPE); found in config.json")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def model_config_from_hf(hf: dict, *, param_dtype: str = "float32") -> ModelConfig:
+    """The relf_jax `ModelConfig` equal to a HuggingFace Llama / Qwen2 ``config.json`` dict."""
+    kind = hf.get("model_type")
+    if kind not in ARCHITECTURES:
+        archs = ", ".join(hf.get("architectures") or []) or "none listed"
+        raise UserError(f"unsupported architecture: model_type {kind!r} ({archs}); relf_jax imports "
+                        f"{', '.join(ARCHITECTURES.values())}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UserError(f"unsupported activation {hf['hidden_act']!r} (Llama/Qwen2 use silu)")
+    if hf.get("mlp_bias"):
+        raise UserError("unsupported: mlp_bias=true (MLP projections with biases)")
+    if kind == "llama" and hf.get("attention_bias"):
+        raise UserError("unsupported: attention_bias=true on a Llama model (o_proj bias)")
+    if kind == "qwen2" and hf.get("use_sliding_window"):
+        raise UserError("unsupported: use_sliding_window=true (sliding-window attention)")
+    try:
+        d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        return ModelConfig(
+            family="ar", vocab_size=int(hf["vocab_size"]), d_model=d, num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or d // heads), mlp_dim=int(hf["intermediate_size"]),
+            max_seq_len=int(hf.get("max_position_embeddings", 2048)), rope_theta=_rope_theta(hf),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            embed_scaling=False, qkv_bias=kind == "qwen2", dtype="float32", param_dtype=param_dtype)
+    except KeyError as e:
+        raise UserError(f"config.json lacks {e.args[0]!r}") from None
+
+
+def hf_config_from_model(model_cfg: ModelConfig, *, bos_id: int, eos_id: int, pad_id: int) -> dict:
+    """A ``config.json`` dict (Llama, or Qwen2 when the model has q/k/v biases)."""
+    kind = "qwen2" if model_cfg.qkv_bias else "llama"
+    tied = model_cfg.tie_embeddings and not model_cfg.embed_scaling
+    cfg = {
+        "architectures": [ARCHITECTURES[kind]], "model_type": kind,
+        "vocab_size": model_cfg.vocab_size, "hidden_size": model_cfg.d_model,
+        "intermediate_size": model_cfg.mlp_dim, "num_hidden_layers": model_cfg.num_layers,
+        "num_attention_heads": model_cfg.num_heads, "num_key_value_heads": model_cfg.num_kv_heads,
+        "head_dim": model_cfg.resolved_head_dim, "hidden_act": "silu",
+        "max_position_embeddings": model_cfg.max_seq_len, "rms_norm_eps": model_cfg.norm_eps,
+        # both spellings: transformers < 5 reads rope_theta, >= 5 reads rope_parameters
+        "rope_theta": model_cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": model_cfg.rope_theta},
+        "tie_word_embeddings": tied, "attention_dropout": 0.0, "initializer_range": 0.02,
+        "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id,
+        "torch_dtype": "float32", "dtype": "float32", "use_cache": True,
+    }
+    if kind == "llama":
+        cfg.update(attention_bias=False, mlp_bias=False)
+    else:
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=model_cfg.num_layers)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- weights
+
+def _read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_safetensors_dir(path: str) -> dict[str, np.ndarray]:
+    """Every tensor of a HF directory's safetensors weights (single file or sharded)."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        files = sorted(set(_read_json(index)["weight_map"].values()))
+    else:
+        files = [os.path.basename(f) for f in sorted(glob.glob(os.path.join(path, "*.safetensors")))]
+    if not files:
+        other = [os.path.basename(f) for f in glob.glob(os.path.join(path, "*.bin"))]
+        hint = " (found PyTorch .bin files: re-save the model with safe_serialization=True)" if other else ""
+        raise UserError(f"no safetensors weights in {path}{hint}")
+    out = {}
+    for name in files:
+        full = os.path.join(path, name)
+        if not os.path.exists(full):
+            raise UserError(f"{name}, listed in model.safetensors.index.json, is missing from {path}")
+        # "flax" reads bfloat16 too (numpy alone cannot); arrays are copied to host numpy
+        with safe_open(full, framework="flax") as f:
+            for key in f.keys():
+                out[key] = np.asarray(f.get_tensor(key))
+    return out
+
+
+def params_from_hf_tensors(model_cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF tensor names -> relf_jax flat parameter names (see the module docstring)."""
+    d, h, k, dh = model_cfg.d_model, model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.resolved_head_dim
+    t = {n: v for n, v in tensors.items() if not n.endswith(_IGNORED_SUFFIXES)}
+    used: set[str] = set()
+
+    def take(name: str) -> np.ndarray:
+        if name not in t:
+            raise UserError(f"the weights lack {name!r}")
+        used.add(name)
+        return t[name]
+
+    def shaped(name: str, arr: np.ndarray, shape: tuple) -> np.ndarray:
+        if arr.size != int(np.prod(shape)):
+            raise UserError(f"{name} has shape {tuple(arr.shape)}; config.json implies {int(np.prod(shape))} "
+                            "elements for it (mismatched shapes)")
+        return arr.reshape(shape)
+
+    out = {"embed": take("model.embed_tokens.weight"), "final_norm.scale": take("model.norm.weight")}
+    if not model_cfg.tie_embeddings:
+        out["lm_head"] = take("lm_head.weight").T
+    elif "lm_head.weight" in t:
+        used.add("lm_head.weight")  # a tied model may still store the (identical) head
+    for i in range(model_cfg.num_layers):
+        p, q = f"model.layers.{i}.", f"blocks.{i}."
+        for ours, theirs, heads in (("wq", "q_proj", h), ("wk", "k_proj", k), ("wv", "v_proj", k)):
+            w = take(f"{p}self_attn.{theirs}.weight")
+            out[f"{q}attn.{ours}"] = shaped(f"{p}self_attn.{theirs}.weight", w.T, (d, heads, dh))
+            if model_cfg.qkv_bias:
+                b = take(f"{p}self_attn.{theirs}.bias")
+                out[f"{q}attn.b{ours[1]}"] = shaped(f"{p}self_attn.{theirs}.bias", b, (heads, dh))
+        out[f"{q}attn.wo"] = shaped(f"{p}self_attn.o_proj.weight", take(f"{p}self_attn.o_proj.weight").T, (h, dh, d))
+        for proj in ("gate", "up", "down"):
+            out[f"{q}mlp.w_{proj}"] = take(f"{p}mlp.{proj}_proj.weight").T
+        out[f"{q}attn_norm.scale"] = take(f"{p}input_layernorm.weight")
+        out[f"{q}mlp_norm.scale"] = take(f"{p}post_attention_layernorm.weight")
+    extra = sorted(set(t) - used)
+    if extra:
+        raise UserError(f"the weights hold tensors this {model_cfg.num_layers}-layer config does not use: "
+                        f"{extra[:5]}{'...' if len(extra) > 5 else ''}")
+    return {n: np.ascontiguousarray(v) for n, v in out.items()}
+
+
+def hf_tensors_from_params(model_cfg: ModelConfig, flat: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """relf_jax flat parameters -> HF tensor names, float32 (inverse of `params_from_hf_tensors`).
+
+    `ModelConfig.embed_scaling` is folded into the weights: embed_tokens = E * sqrt(D) and, for a
+    tied model, an untied lm_head = E / sqrt(D).
+    """
+    d, h, k, dh = model_cfg.d_model, model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.resolved_head_dim
+    f = {n: np.asarray(v, np.float32) for n, v in flat.items()}
+    embed = f["embed"]
+    out = {"model.norm.weight": f["final_norm.scale"]}
+    if model_cfg.embed_scaling:
+        out["model.embed_tokens.weight"] = embed * np.float32(d ** 0.5)
+        out["lm_head.weight"] = embed * np.float32(d ** -0.5) if model_cfg.tie_embeddings else f["lm_head"].T
+    else:
+        out["model.embed_tokens.weight"] = embed
+        if not model_cfg.tie_embeddings:
+            out["lm_head.weight"] = f["lm_head"].T
+    for i in range(model_cfg.num_layers):
+        p, q = f"model.layers.{i}.", f"blocks.{i}."
+        for ours, theirs, heads in (("wq", "q_proj", h), ("wk", "k_proj", k), ("wv", "v_proj", k)):
+            out[f"{p}self_attn.{theirs}.weight"] = f[f"{q}attn.{ours}"].reshape(d, heads * dh).T
+            if model_cfg.qkv_bias:
+                out[f"{p}self_attn.{theirs}.bias"] = f[f"{q}attn.b{ours[1]}"].reshape(heads * dh)
+        out[f"{p}self_attn.o_proj.weight"] = f[f"{q}attn.wo"].reshape(h * dh, d).T
+        for proj in ("gate", "up", "down"):
+            out[f"{p}mlp.{proj}_proj.weight"] = f[f"{q}mlp.w_{proj}"].T
+        out[f"{p}input_layernorm.weight"] = f[f"{q}attn_norm.scale"]
+        out[f"{p}post_attention_layernorm.weight"] = f[f"{q}mlp_norm.scale"]
+    return {n: np.ascontiguousarray(v) for n, v in out.items()}
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+def _token_id(tk, value: Any, fallback: Any) -> Optional[int]:
+    if isinstance(value, dict):
+        value = value.get("content")
+    if isinstance(value, str):
+        i = tk.token_to_id(value)
+        if i is not None:
+            return int(i)
+    if isinstance(fallback, list):
+        fallback = fallback[0] if fallback else None
+    return None if fallback is None else int(fallback)
+
+
+def tokenizer_from_hf(path: str, hf_cfg: dict) -> HFTokenizer:
+    """The directory's tokenizer (``tokenizer.json``; a ``tokenizer.model`` via transformers)."""
+    tok_json = os.path.join(path, "tokenizer.json")
+    if os.path.exists(tok_json):
+        with open(tok_json, encoding="utf-8") as f:
+            text = f.read()
+    elif os.path.exists(os.path.join(path, "tokenizer.model")):
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise UserError(f"{path} has only a SentencePiece tokenizer.model; reading it needs transformers "
+                            "(pip install 'relf_jax[hf]')") from None
+        text = AutoTokenizer.from_pretrained(path).backend_tokenizer.to_str()
+    else:
+        raise UserError(f"no tokenizer.json or tokenizer.model in {path}")
+    from tokenizers import Tokenizer as _Backend
+
+    tk = _Backend.from_str(text)
+    tcfg_path = os.path.join(path, "tokenizer_config.json")
+    tcfg = _read_json(tcfg_path) if os.path.exists(tcfg_path) else {}
+    gen_path = os.path.join(path, "generation_config.json")
+    gen = _read_json(gen_path) if os.path.exists(gen_path) else {}
+    bos = _token_id(tk, tcfg.get("bos_token"), hf_cfg.get("bos_token_id", gen.get("bos_token_id")))
+    eos = _token_id(tk, tcfg.get("eos_token"), hf_cfg.get("eos_token_id", gen.get("eos_token_id")))
+    pad = _token_id(tk, tcfg.get("pad_token"), hf_cfg.get("pad_token_id", gen.get("pad_token_id")))
+    unk = _token_id(tk, tcfg.get("unk_token"), None)
+    if eos is None:
+        raise UserError(f"{path}: no eos token in tokenizer_config.json, config.json or generation_config.json")
+    bos = eos if bos is None else bos  # Qwen2 has no bos: prompts start with <|endoftext|>
+    return HFTokenizer(text, bos_id=bos, eos_id=eos, pad_id=eos if pad is None else pad,
+                       unk_id=-1 if unk is None else unk)
+
+
+# Texts the SentencePiece -> tokenizer.json conversion is checked on (plus the caller's).
+_PROBE_TEXTS = ("<user> hello , how are you today ? <assistant> i am fine , thanks !",
+                "what is the weather like", "<assistant> ok <user> 42 .")
+
+
+def spm_to_tokenizer_json(tok: Tokenizer, check_texts: Sequence[str] = ()) -> str:
+    """A ``tokenizer.json`` that tokenizes like relf_jax's SentencePiece model (needs transformers).
+
+    transformers converts the BPE merges; the normalizer and pre-tokenizer are then set to
+    SentencePiece's behaviour here (NFKC, whitespace collapsed, a word-boundary piece before every
+    word including the chat markers, unknown characters -> unk). The result is checked against
+    the SentencePiece model on `check_texts`; a mismatch is an error.
+    """
+    try:
+        from tokenizers import Regex, Tokenizer as _Backend, normalizers, pre_tokenizers
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise UserError("exporting relf_jax's SentencePiece tokenizer to tokenizer.json needs transformers "
+                        "(pip install 'relf_jax[hf]')") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.save(os.path.join(tmp, "tokenizer.model"))
+        with open(os.path.join(tmp, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump({"tokenizer_class": "LlamaTokenizer", "legacy": True, "add_bos_token": False,
+                       "add_eos_token": False, "unk_token": tok.id_to_piece(tok.unk_id)}, f)
+        spec = json.loads(AutoTokenizer.from_pretrained(tmp).backend_tokenizer.to_str())
+    markers = [m for m in CHAT_MARKERS if tok.piece_to_id(m) != tok.unk_id]
+    # user-defined markers become ordinary vocabulary words isolated by the pre-tokenizer
+    spec["added_tokens"] = [a for a in spec["added_tokens"] if a["content"] not in markers]
+    model = spec["model"]
+    if model.get("type") == "BPE":
+        model["ignore_merges"] = True  # a whole word in the vocabulary (a marker) is one token
+        model["byte_fallback"] = False
+        model["unk_token"] = tok.id_to_piece(tok.unk_id)
+    backend = _Backend.from_str(json.dumps(spec))
+    backend.normalizer = normalizers.Sequence([
+        normalizers.NFKC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Strip(),
+        normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    splits = [pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never", split=True)]
+    if markers:
+        pattern = "|".join(m.replace("|", "\\|") for m in markers)
+        splits.insert(0, pre_tokenizers.Split(Regex(pattern), "isolated"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(splits)
+    bad = [t for t in (*_PROBE_TEXTS, *check_texts)
+           if backend.encode(t, add_special_tokens=False).ids != tok.encode(t)]
+    if bad:
+        raise UserError(f"the converted tokenizer.json disagrees with the SentencePiece model on {len(bad)} "
+                        f"text(s), e.g. {bad[0][:60]!r}")
+    return backend.to_str()
+
+
+# ----------------------------------------------------------------------------- public API
+
+def from_hf(path: str, *, mesh=None, param_dtype: str = "float32") -> LoadedModel:
+    """Load a local HuggingFace Llama / Qwen2 directory as a relf_jax AR model.
+
+    `mesh`: place the parameters by their logical axes on this mesh (default: one device).
+    Raises `UserError` for a missing directory or config.json, an unsupported architecture,
+    weights that do not match the config, or a missing tokenizer.
+    """
+    path = os.path.expanduser(str(path))
+    if not os.path.isdir(path):
+        raise UserError(f"{path!r} is not a local directory; relf_jax reads HuggingFace checkpoints from disk "
+                        "only (download one first, e.g. `huggingface-cli download NAME --local-dir DIR`)")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise UserError(f"{path} has no config.json: not a HuggingFace model directory")
+    hf_cfg = _read_json(cfg_path)
+    model_cfg = model_config_from_hf(hf_cfg, param_dtype=param_dtype)
+    tokenizer = tokenizer_from_hf(path, hf_cfg)
+    flat = params_from_hf_tensors(model_cfg, read_safetensors_dir(path))
+    graphdef, params = params_from_flat(model_cfg, flat, mesh=mesh, what=f"the weights in {path}")
+    cfg = dataclasses.replace(Config(), model=model_cfg, workdir=path)
+    return LoadedModel(cfg=cfg, model_cfg=model_cfg, graphdef=graphdef, params=params, tokenizer=tokenizer,
+                       step=0, model_dir=path)
+
+
+def import_hf(path: str, out: str, *, param_dtype: str = "float32") -> LoadedModel:
+    """`from_hf`, then save as a relf_jax checkpoint in ``<out>/ar`` (for `relf-jax sample` etc.)."""
+    lm = from_hf(path, param_dtype=param_dtype)
+    model_dir = os.path.join(out, "ar")
+    lm = dataclasses.replace(lm, cfg=dataclasses.replace(lm.cfg, workdir=out), model_dir=model_dir)
+    save_checkpoint(lm, model_dir, extra_meta={"source": f"hf:{os.path.abspath(path)}"})
+    return lm
+
+
+def export_hf(lm: LoadedModel, out: str, *, check_texts: Sequence[str] = ()) -> str:
+    """Write `lm` (an AR model) as a HuggingFace directory that ``transformers`` loads.
+
+    Files: config.json, generation_config.json, model.safetensors (float32),
+    tokenizer.json + tokenizer_config.json (and tokenizer.model for a SentencePiece tokenizer).
+    Returns `out`.
+    """
+    from safetensors.numpy import save_file
+
+    if lm.model_cfg.family != "ar":
+        raise UserError(f"--format hf exports AR models; this is a {lm.model_cfg.family!r} model "
+                        "(use --format safetensors)")
+    tok = lm.tokenizer
+    os.makedirs(out, exist_ok=True)
+    if isinstance(tok, HFTokenizer):
+        tok_json = tok.backend.to_str()
+    else:
+        tok_json = spm_to_tokenizer_json(tok, check_texts)
+        tok.save(os.path.join(out, "tokenizer.model"))
+    with open(os.path.join(out, "tokenizer.json"), "w", encoding="utf-8") as f:
+        f.write(tok_json)
+    piece = tok.id_to_piece
+    tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": piece(tok.bos_id),
+            "eos_token": piece(tok.eos_id), "pad_token": piece(tok.pad_id), "add_bos_token": False,
+            "add_eos_token": False, "model_max_length": lm.model_cfg.max_seq_len}
+    if getattr(tok, "unk_id", -1) >= 0:
+        tcfg["unk_token"] = piece(tok.unk_id)
+    ids = {"bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id}
+    files = {
+        "config.json": hf_config_from_model(lm.model_cfg, **ids),
+        "generation_config.json": {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id,
+                                   "pad_token_id": tok.pad_id},
+        "tokenizer_config.json": tcfg,
+    }
+    for name, obj in files.items():
+        with open(os.path.join(out, name), "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2)
+    tensors = hf_tensors_from_params(lm.model_cfg, flat_params(lm.params))
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    return out
