@@ -18,6 +18,8 @@ CORE = [
     "tensorboardX>=2.6",
     "chatterbot-corpus>=1.2",
     "PyYAML>=6",
+    "safetensors>=0.4",  # relf-jax export --format safetensors / hf
+    "flatbuffers",  # jax.export serialization (relf-jax export --format jax-export)
 ]
 
 EXTRAS = {

@@ -29,6 +29,9 @@ from relf_jax.errors import UserError
 
 _log = logging.getLogger(__name__)
 
+# A ReLF model directory keeps its fixed token embeddings [V, d] beside the checkpoints.
+EMBEDDINGS_FILE = "embeddings.npy"
+
 
 class CheckpointWarning(UserWarning):
     """A checkpoint could not be restored and an older one was used instead."""
@@ -155,3 +158,6 @@ class LoadedModel:
     tokenizer: Any  # relf_jax.data.tokenizer.Tokenizer or HFTokenizer
     step: int
     model_dir: str = ""
+    # arrays a family keeps beside its parameters, by name (ReLF: "flow.embeddings", the fixed
+    # token embeddings); filled by `load_safetensors`, empty for checkpoints read from a run dir
+    extras: dict = dataclasses.field(default_factory=dict)

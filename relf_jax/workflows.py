@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
-from relf_jax.checkpoint import Checkpointer, LoadedModel, tokenizer_bytes_from_meta
+from relf_jax.checkpoint import EMBEDDINGS_FILE, Checkpointer, LoadedModel, tokenizer_bytes_from_meta
 from relf_jax.config import Config, ModelConfig, SampleConfig, SpeculativeConfig, validate_sampling
 from relf_jax.data import pipeline, sources
 from relf_jax.data.tokenizer import Tokenizer, tokenizer_from_bytes, train_tokenizer
@@ -91,7 +91,6 @@ def train_lm(cfg: Config, *, mesh=None) -> TrainResult:
                  tokenizer_bytes=tok.to_bytes())
 
 
-EMBEDDINGS_FILE = "embeddings.npy"
 EMBEDDING_DOCS = 20_000
 
 
@@ -174,6 +173,13 @@ def _relf_tokens(graphdef, params, key, table, *, settings, batch: int, length: 
     return flow_sample(key, residual, table, settings, batch=batch, length=length)[0]
 
 
+def flow_table(lm: LoadedModel) -> np.ndarray:
+    """A loaded ReLF model's fixed token embeddings (from the file, or from `lm.extras`)."""
+    if "flow.embeddings" in lm.extras:
+        return np.asarray(lm.extras["flow.embeddings"])
+    return np.load(os.path.join(lm.model_dir, EMBEDDINGS_FILE))
+
+
 def sample_relf(lm: "LoadedModel", n: int, *, nfe: Optional[int] = None, sampler: Optional[str] = None,
                 guidance: Optional[float] = None, length: Optional[int] = None, batch_size: Optional[int] = None,
                 seed: int = 0, warmup: bool = True, renoise: Optional[str] = None) -> "Samples":
@@ -188,7 +194,7 @@ def sample_relf(lm: "LoadedModel", n: int, *, nfe: Optional[int] = None, sampler
                                    c=f.residual_bound, guidance=f.guidance if guidance is None else guidance,
                                    use_singular=f.use_singular, t_eps=f.t_eps, gamma=f.gamma,
                                    renoise=renoise or f.renoise)
-    table = jax.numpy.asarray(np.load(os.path.join(lm.model_dir, EMBEDDINGS_FILE)))
+    table = jax.numpy.asarray(flow_table(lm))
     length = length or lm.cfg.data.seq_len
     bs = batch_size or lm.cfg.sample.batch_size
 
