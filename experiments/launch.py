@@ -14,6 +14,11 @@ Parses arguments and calls library functions; holds no method. Config overrides 
     relf-jax reflow --workdir runs/tiny --rounds 2
     relf-jax sample --workdir runs/tiny/relf_reflow2 model=relf nfe=16 sampler=euler
     relf-jax rcsd --target runs/tiny --cycles 10
+    relf-jax import-hf path/to/hf_llama --out runs/llama
+    relf-jax export --workdir runs/tiny --format hf --out exported/tiny_hf
+    relf-jax export --workdir runs/tiny --format safetensors --out exported/tiny.safetensors [model=relf]
+    relf-jax export --workdir runs/tiny --format jax-export --out exported/tiny_steps --batch 1
+    relf-jax bench hf --out hf.json [--quick]
     relf-jax demo --quick
     relf-jax info
 
@@ -82,8 +87,22 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="tiny preset, a few minutes")
     b.add_argument("--workdir", default=None, help="where models are trained / cached")
 
+    ih = sub.add_parser("import-hf", help="a local HuggingFace Llama/Qwen2 directory -> a relf_jax checkpoint")
+    ih.add_argument("path", help="directory with config.json, safetensors weights and a tokenizer")
+    ih.add_argument("--out", required=True, help="run directory to write (the model goes to <out>/ar)")
+    ih.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
+
+    ex = sub.add_parser("export", help="write a trained model as HuggingFace, safetensors or jax.export files")
+    ex.add_argument("--workdir", required=True, help="run directory of the model")
+    ex.add_argument("--format", required=True, choices=["hf", "safetensors", "jax-export"])
+    ex.add_argument("--out", required=True, help="directory (hf, jax-export) or .safetensors file")
+    ex.add_argument("--batch", type=int, default=1, help="jax-export: batch size of the exported steps")
+    ex.add_argument("--prompt-len", type=int, default=64, help="jax-export: padded prompt length")
+    ex.add_argument("--max-len", type=int, default=None, help="jax-export: cache length (default max_seq_len)")
+    ex.add_argument("--platforms", default=None, help="jax-export: e.g. cpu,cuda,tpu (default: this backend)")
+
     sub.add_parser("info", help="devices, mesh and versions")
-    for sp in (t, td, s, e, d, b):
+    for sp in (t, td, s, e, d, b, ex):
         sp.add_argument("overrides", nargs="*", help="config overrides key=value")
     return p
 
@@ -140,6 +159,15 @@ def _run(args) -> int:
         return 0
     if args.command == "rcsd":
         return _rcsd(args)
+    if args.command == "import-hf":
+        from relf_jax.export.hf import import_hf
+        from relf_jax.models.causal_lm import count_params
+        lm = import_hf(args.path, args.out, param_dtype=args.param_dtype)
+        print(json.dumps({"workdir": args.out, "model_dir": lm.model_dir, "params": count_params(lm.params),
+                          "vocab_size": lm.model_cfg.vocab_size, "layers": lm.model_cfg.num_layers}))
+        return 0
+    if args.command == "export":
+        return _export(args)
     if args.command == "train-draft":
         target = args.target
         rest = []
@@ -217,6 +245,32 @@ def _run(args) -> int:
             workflows.write_json(args.out, out)
         return 0
     raise AssertionError(args.command)
+
+
+def _export(args) -> int:
+    from relf_jax import workflows
+    from relf_jax.config import ConfigError
+
+    family = "ar"
+    for item in args.overrides:
+        key, _, value = item.partition("=")
+        if key not in ("model", "model.family") or not value:
+            raise ConfigError(f"export takes only model=ar|relf as an override, got {item!r}")
+        family = value
+    lm = workflows.load_model(args.workdir, family)
+    if args.format == "hf":
+        from relf_jax.export.hf import export_hf
+        out = export_hf(lm, args.out)
+    elif args.format == "safetensors":
+        from relf_jax.export.safetensors_io import save_safetensors
+        out = save_safetensors(lm, args.out)
+    else:
+        from relf_jax.export.jax_export import export_decode
+        platforms = [p.strip() for p in args.platforms.split(",")] if args.platforms else None
+        out = export_decode(lm, args.out, batch=args.batch, prompt_len=args.prompt_len, max_len=args.max_len,
+                            platforms=platforms)
+    print(json.dumps({"format": args.format, "out": out, "family": family, "step": lm.step}))
+    return 0
 
 
 def _rcsd(args) -> int:

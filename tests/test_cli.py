@@ -123,3 +123,23 @@ def test_eval_with_a_model_judge_and_exact_judge_error(capsys, cb_run, tmp_path)
     assert result["validation_loss"] > 0 and result["step"] == 10
     rc, _, err = _run(capsys, "eval", "--workdir", cb_run, "sample.num_samples=2")
     _one_line_error(rc, err, "exact judge needs data.source=synthetic_chat")
+
+
+def test_export_and_import_hf_commands(capsys, cb_run, tmp_path):
+    """export (all three formats) -> import-hf -> sample, and a bad import path is one line."""
+    pytest.importorskip("transformers")
+    hf_dir, st_file, art = str(tmp_path / "hf"), str(tmp_path / "m.safetensors"), str(tmp_path / "art")
+    for fmt, out in (("hf", hf_dir), ("safetensors", st_file), ("jax-export", art)):
+        rc, out_json, err = _run(capsys, "export", "--workdir", cb_run, "--format", fmt, "--out", out,
+                                 "--prompt-len", "8", "--max-len", "32")
+        assert rc == 0, err
+        assert json.loads(out_json)["format"] == fmt
+    assert os.path.exists(os.path.join(hf_dir, "model.safetensors")) and os.path.exists(st_file)
+    assert os.path.exists(os.path.join(art, "decode.jax_export"))
+    rc, out, err = _run(capsys, "import-hf", hf_dir, "--out", str(tmp_path / "imported"))
+    assert rc == 0, err
+    rc, out, err = _run(capsys, "sample", "--workdir", str(tmp_path / "imported"), "--prompt",
+                        "<user> hello <assistant>", "sample.max_new_tokens=8", "sample.temperature=0")
+    assert rc == 0 and out.strip() and "tokens/s" in err
+    rc, _, err = _run(capsys, "import-hf", str(tmp_path / "no_such_dir"), "--out", str(tmp_path / "x"))
+    _one_line_error(rc, err, "not a local directory")
