@@ -20,12 +20,16 @@ CORE = [
     "PyYAML>=6",
     "safetensors>=0.4",  # relf-jax export --format safetensors / hf
     "flatbuffers",  # jax.export serialization (relf-jax export --format jax-export)
+    "tokenizers>=0.20",  # tokenizer.json of models imported from HuggingFace
 ]
 
+# HuggingFace interop (import/export checks, `relf-jax bench hf`): torch is pinned to the
+# CPU wheel on purpose (an unpinned torch pulls a multi-GB CUDA build).
+HF = ["torch==2.13.0", "transformers>=4.45"]
 EXTRAS = {
-    "dev": ["pytest>=8", "ruff>=0.6"],
-    # Only for HuggingFace interop tests; torch is pinned to the CPU wheel on purpose.
-    "hf": ["torch==2.13.0", "transformers", "safetensors"],
+    "hf": HF,
+    # the tests run the HF parity checks and execute examples/quickstart.ipynb
+    "dev": ["pytest>=8", "ruff>=0.6", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6.29", *HF],
 }
 
 setup(

@@ -81,8 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--workdir", default=None)
 
     b = sub.add_parser("bench", help="long measurements written as JSON (bench spec | relf | verify | latency | "
-                                     "flowstep)")
-    b.add_argument("which", choices=["spec", "relf", "verify", "latency", "flowstep"])
+                                     "flowstep | hf)")
+    b.add_argument("which", choices=["spec", "relf", "verify", "latency", "flowstep", "hf"])
     b.add_argument("--out", required=True, help="JSON file to write")
     b.add_argument("--quick", action="store_true", help="tiny preset, a few minutes")
     b.add_argument("--workdir", default=None, help="where models are trained / cached")
@@ -139,6 +139,8 @@ def _run(args) -> int:
         from experiments import bench
         if args.which == "relf":
             from experiments.bench_relf import bench_relf as run_bench
+        elif args.which == "hf":
+            from experiments.bench_hf import bench_hf as run_bench
         else:
             run_bench = getattr(bench, f"bench_{args.which}")
         run_bench(args.out, quick=args.quick, workdir=args.workdir, overrides=args.overrides)
