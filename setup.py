@@ -29,7 +29,7 @@ HF = ["torch==2.13.0", "transformers>=4.45"]
 EXTRAS = {
     "hf": HF,
     # the tests run the HF parity checks and execute examples/quickstart.ipynb
-    "dev": ["pytest>=8", "ruff>=0.6", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6.29", *HF],
+    "dev": ["pytest>=8", "pytest-xdist>=3.5", "ruff>=0.6", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6.29", *HF],
 }
 
 setup(

@@ -159,3 +159,41 @@ def test_bad_inputs_give_one_clear_error(tmp_path, llama_dir):
     (wrong / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
     with pytest.raises(UserError, match=r"mlp\.w_(gate|up|down) has shape"):
         hf.from_hf(str(wrong))
+
+
+SHARDED_SCRIPT = r"""
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+sys.path.insert(0, sys.argv[1])
+from relf_jax.export.hf import from_hf
+from relf_jax.sharding import make_mesh
+tokens = jnp.asarray(json.loads(sys.argv[3]))
+out = {}
+for name, mesh in (("one", None), ("eight", make_mesh(2, 2, 2))):
+    lm = from_hf(sys.argv[2], mesh=mesh)
+    with jax.set_mesh(mesh or make_mesh(1, 1, 1, devices=jax.devices()[:1])):
+        logits = nnx.merge(lm.graphdef, lm.params)(tokens)[0]
+    out[name] = {"logits": np.asarray(logits).tolist(),
+                 "specs": sorted({str(x.sharding.spec) for x in jax.tree.leaves(lm.params)}),
+                 "devices": sorted({len(x.sharding.device_set) for x in jax.tree.leaves(lm.params)})}
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.mark.multidevice
+def test_from_hf_shards_on_a_mesh(llama_dir):
+    """With a mesh, imported parameters are placed by their logical axes; logits unchanged."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT, root, llama_dir[0], json.dumps(PROMPTS.tolist())],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT", 1)[1])
+    assert out["eight"]["devices"] == [8]
+    assert any("fsdp" in s or "tensor" in s for s in out["eight"]["specs"]), out["eight"]["specs"]
+    np.testing.assert_allclose(out["eight"]["logits"], out["one"]["logits"], atol=1e-5, rtol=0)
