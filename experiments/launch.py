@@ -19,6 +19,7 @@ Parses arguments and calls library functions; holds no method. Config overrides 
     relf-jax export --workdir runs/tiny --format safetensors --out exported/tiny.safetensors [model=relf]
     relf-jax export --workdir runs/tiny --format jax-export --out exported/tiny_steps --batch 1
     relf-jax bench hf --out hf.json [--quick]
+    relf-jax bench rcsd --out rcsd.json [--quick]
     relf-jax demo --quick
     relf-jax info
 
@@ -81,8 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--workdir", default=None)
 
     b = sub.add_parser("bench", help="long measurements written as JSON (bench spec | relf | verify | latency | "
-                                     "flowstep | hf)")
-    b.add_argument("which", choices=["spec", "relf", "verify", "latency", "flowstep", "hf"])
+                                     "flowstep | hf | rcsd)")
+    b.add_argument("which", choices=["spec", "relf", "verify", "latency", "flowstep", "hf", "rcsd"])
     b.add_argument("--out", required=True, help="JSON file to write")
     b.add_argument("--quick", action="store_true", help="tiny preset, a few minutes")
     b.add_argument("--workdir", default=None, help="where models are trained / cached")
@@ -141,6 +142,8 @@ def _run(args) -> int:
             from experiments.bench_relf import bench_relf as run_bench
         elif args.which == "hf":
             from experiments.bench_hf import bench_hf as run_bench
+        elif args.which == "rcsd":
+            from experiments.bench_rcsd import bench_rcsd as run_bench
         else:
             run_bench = getattr(bench, f"bench_{args.which}")
         run_bench(args.out, quick=args.quick, workdir=args.workdir, overrides=args.overrides)

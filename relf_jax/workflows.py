@@ -319,7 +319,8 @@ def train_draft(target_dir: str, overrides: Sequence[str] = (), workdir: Optiona
     model_cfg = dataclasses.replace(cfg.model, vocab_size=target.tokenizer.vocab_size,
                                     max_seq_len=target.model_cfg.max_seq_len)
     cfg = dataclasses.replace(cfg, model=model_cfg)
-    builder = prepare_data(target.cfg, root=target_dir)
+    # the draft's own data settings: e.g. data.topics=0,1 distils it on part of the corpus
+    builder = prepare_data(cfg, root=target_dir)
     d, t = cfg.data, cfg.train
     data = pipeline.make_iterator(builder, "train", target.tokenizer, seq_len=d.seq_len, batch_size=t.batch_size,
                                   seed=t.seed + 1)
