@@ -1,5 +1,5 @@
-"""`relf-jax demo`: train the `cpu` AR model (plus a distilled draft and a ReLF flow model) on
-the built-in corpus, sample, measure, report.
+"""`relf-jax demo`: train the `cpu` AR model (plus a distilled draft, an RCSD-trained copy of
+it and a ReLF flow model) on the built-in corpus, sample, measure, report.
 
 Composition only: every step is a `relf_jax.workflows` call a Colab user can make too. Writes
 ``report.json``, ``report.md`` and PNG plots into the workdir; a second run reuses the data,
@@ -26,6 +26,26 @@ def _relf_row(lm, judge, n: int, label: str, *, nfe: int, sampler: str) -> dict:
     q = workflows.evaluate_samples(s, judge)
     return {"method": label, "nfe": nfe, "gen_ppl": q["gen_ppl"], "entropy": q["entropy"],
             "tokens_per_s": q["tokens_per_s"], "distinct_2": q["distinct_2"], "mean_tokens": q["mean_tokens"]}
+
+
+RCSD_CYCLES, RCSD_PROMPTS, RCSD_STEPS = 4, 16, 15
+
+
+def _rcsd_draft(lm, draft, judge, workdir: str, *, quick: bool):
+    """A few serve-and-learn RCSD cycles (NSD serving) on fresh grammar prompts; the result is
+    cached in `workdir` (the loop resumes, so a second demo run only reloads it)."""
+    from relf_jax.speculative.continual import ContinualDraftTrainer, ContinualSettings
+
+    cycles = 2 if quick else RCSD_CYCLES
+    k, context = 4, min(lm.model_cfg.max_seq_len, draft.model_cfg.max_seq_len)
+    prompt_len = min(32, context // 4)
+    settings = ContinualSettings(steps_per_cycle=RCSD_STEPS, rule="nsd", k=k, prompt_len=prompt_len,
+                                 max_new_tokens=min(48, context - prompt_len - k - 1), learning_rate=1e-3)
+    texts = [info["prompt"] for info in judge.grammar.sample_with_info(cycles * RCSD_PROMPTS, 31337)]
+    ids = [workflows.encode_prompt(lm.tokenizer, t) for t in texts]
+    trainer = ContinualDraftTrainer(lm, draft, workdir, settings)
+    trainer.run([ids[c * RCSD_PROMPTS:(c + 1) * RCSD_PROMPTS] for c in range(cycles)])
+    return dataclasses.replace(draft, params=trainer.params)
 
 
 def run_demo(quick: bool = False, workdir: Optional[str] = None, overrides: Sequence[str] = ()) -> dict:
@@ -65,6 +85,15 @@ def run_demo(quick: bool = False, workdir: Optional[str] = None, overrides: Sequ
                      "nfe": round(s.target_forwards / len(s.texts), 1), "gen_ppl": q["gen_ppl"],
                      "entropy": q["entropy"], "tokens_per_s": q["tokens_per_s"], "tau": s.tau,
                      "distinct_2": q["distinct_2"], "mean_tokens": q["mean_tokens"]})
+
+    # NSD with a draft that kept learning from its own traces (RCSD), starting from the one above
+    rcsd_draft = _rcsd_draft(lm, draft, judge, os.path.join(cfg.workdir, "rcsd"), quick=quick)
+    spc = SpeculativeConfig(rule="nsd", k=4, nsd_top_p=0.9)
+    s = workflows.sample(lm, sample_cfg=dataclasses.replace(sc, temperature=1.0), speculative=spc, draft=rcsd_draft)
+    q = workflows.evaluate_samples(s, judge)
+    rows.append({"method": "spec nsd p=0.9 k=4 rcsd draft", "nfe": round(s.target_forwards / len(s.texts), 1),
+                 "gen_ppl": q["gen_ppl"], "entropy": q["entropy"], "tokens_per_s": q["tokens_per_s"],
+                 "tau": s.tau, "distinct_2": q["distinct_2"], "mean_tokens": q["mean_tokens"]})
 
     # ReLF: a flow model of the same width and depth, then two short regularised reflow rounds.
     # A fifth of the AR training budget keeps the demo within its 10 minutes; `relf-jax bench

@@ -18,6 +18,8 @@ def test_demo_quick_writes_report_and_reuses_its_cache(tmp_path, capsys):
     methods = [r["method"] for r in report["rows"]]
     assert methods[0] == "data" and any(m.startswith("ar ") for m in methods)
     assert any(m.startswith("spec standard") for m in methods) and any(m.startswith("spec nsd") for m in methods)
+    assert "spec nsd p=0.9 k=4 rcsd draft" in methods
+    assert json.load(open(os.path.join(wd, "rcsd", "progress.json")))["trained"] == 2
     assert {"relf stochastic", "relf euler", "relf euler reflow2"} <= set(methods)
     assert [r["nfe"] for r in report["rows"] if r["method"].startswith("relf")] == [64, 16, 16]
     reflow = json.load(open(os.path.join(wd, "reflow.json")))

@@ -136,6 +136,18 @@ def test_export_hf_round_trip_of_a_relf_jax_model(tmp_path, tiny_model, tiny_mod
     # and back in: HF -> relf_jax gives the same logits
     back = hf.from_hf(out)
     np.testing.assert_allclose(_ours_logits(back, tokens), _ours_logits(lm, tokens), atol=1e-4, rtol=0)
+    # a directory with only a SentencePiece tokenizer.model (as many Llama checkpoints ship)
+    import shutil
+
+    spm_dir = tmp_path / "spm_only"
+    shutil.copytree(out, spm_dir)
+    os.remove(spm_dir / "tokenizer.json")
+    cfg = json.load(open(spm_dir / "tokenizer_config.json"))
+    (spm_dir / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "LlamaTokenizer"}))
+    spm_lm = hf.from_hf(str(spm_dir))
+    ref = transformers.AutoTokenizer.from_pretrained(str(spm_dir))
+    assert spm_lm.tokenizer.encode(texts[1]) == ref(texts[1], add_special_tokens=False).input_ids
+    assert (spm_lm.tokenizer.bos_id, spm_lm.tokenizer.eos_id) == (tok.bos_id, tok.eos_id)
 
 
 def test_bad_inputs_give_one_clear_error(tmp_path, llama_dir):

@@ -1,0 +1,27 @@
+"""The arithmetic of `relf-jax bench rcsd`'s summary (the benchmark itself is a bench command)."""
+
+import pytest
+
+from experiments.bench_rcsd import _summary
+
+
+def test_summary_ratios_spread_and_shift_recovery():
+    rows = []
+    for seed, (a, b, c) in enumerate([(2.0, 2.2, 2.6), (2.0, 2.0, 2.4), (2.5, 2.5, 3.0)]):
+        rows += [{"variant": "a_distilled", "seed": seed, "tau": a, "tokens_per_s": 10.0},
+                 {"variant": "b_online_distill", "seed": seed, "tau": b, "tokens_per_s": 11.0},
+                 {"variant": "c_rcsd", "seed": seed, "tau": c, "tokens_per_s": 12.0}]
+    report = {"rows": rows, "shift_reference": {"full_draft_tau": 3.0},
+              "shift": {"a_distilled": [2.0, 2.0, 2.0], "b_online_distill": [2.0, 2.2, 2.4],
+                        "c_rcsd": [2.0, 2.5, 2.75]}}
+    s = _summary(report)
+    assert s["a_distilled"]["tau_mean"] == pytest.approx(13 / 6)
+    assert s["c_rcsd"]["tau_ratio_to_a"] == pytest.approx((1.3 + 1.2 + 1.2) / 3)
+    assert s["b_online_distill"]["tau_ratio_to_a"] == pytest.approx((1.1 + 1.0 + 1.0) / 3)
+    assert s["c_minus_b"]["per_seed"] == pytest.approx([0.4, 0.4, 0.5])
+    assert s["c_rcsd"]["tau_min"] == 2.4 and s["c_rcsd"]["tau_max"] == 3.0 and s["c_rcsd"]["seeds"] == 3
+    # shift: the shifted draft is the last a_distilled value (2.0); the full draft 3.0 -> 1.0 lost
+    assert s["shift"]["shifted_draft_tau"] == 2.0
+    assert s["shift"]["c_rcsd_recovered_fraction"] == pytest.approx(0.75)
+    assert s["shift"]["b_online_distill_recovered_fraction"] == pytest.approx(0.4)
+    assert s["shift"]["a_distilled_recovered_fraction"] == pytest.approx(0.0)
