@@ -14,8 +14,9 @@ so both stacks run the very same float32 weights on the same CPU and prompts:
 - ``train``: one optimizer step on the same [B, L] batch: relf_jax's sharded train step (AdamW,
   clipping) vs a transformers ``LlamaForCausalLM`` forward + backward + ``torch.optim.AdamW``.
 
-Compilation (JAX) and the first call (both) are excluded; each row is timed over the same
-repetitions. Rows: ``{"task", "batch", "ours_tok_s", "hf_tok_s", "ratio"}`` (+ details).
+Compilation (JAX) and the first call (both) are excluded; each row is the median over the same
+number of repetitions. All relf_jax rows run first, then all transformers rows (the HF models are
+loaded only then): torch's OpenMP workers spin after a call and slow a JAX call that follows. Rows: ``{"task", "batch", "ours_tok_s", "hf_tok_s", "ratio"}`` (+ details).
 """
 
 from __future__ import annotations
@@ -33,11 +34,14 @@ from experiments.bench import _ensure_target_and_draft, _write_json, held_out_pr
 
 
 def _timed(fn, reps: int) -> float:
-    fn(0)  # warm-up: compilation / first-call allocation
-    t0 = time.perf_counter()
+    """Median seconds per call over `reps` calls, after one warm-up call (compilation)."""
+    fn(0)
+    times = []
     for r in range(reps):
+        t0 = time.perf_counter()
         fn(r + 1)
-    return (time.perf_counter() - t0) / reps
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
 
 def _prompt_block(tok, prompts: Sequence[str], batch: int, length: int) -> np.ndarray:
@@ -119,7 +123,10 @@ def _ours_train(lm, batch: np.ndarray):
 
     mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     plan = plan_state(lm.model_cfg, make_optimizer(lm.cfg.train), mesh)
-    state = {"s": init_state(plan, lm.model_cfg, jax.random.key(0))}
+    # the same (trained) weights transformers starts from; copied, since the step donates them
+    _, opt_state = init_state(plan, lm.model_cfg, jax.random.key(0))
+    params = jax.jit(lambda p: jax.tree.map(jax.numpy.copy, p), out_shardings=plan.param_shardings)(lm.params)
+    state = {"s": (params, opt_state)}
     b = put_batch({"tokens": batch, "segment_ids": np.ones_like(batch)}, mesh)
     step = make_train_step(plan, next_token_loss, 1, jax.tree.map(lambda x: x.sharding, b))
 
@@ -183,32 +190,41 @@ def bench_hf(out: str, quick: bool = False, workdir: Optional[str] = None, overr
     gd, params = nnx.split(build_model(big_cfg, nnx.Rngs(0)))
     big = LoadedModel(cfg=lm.cfg, model_cfg=big_cfg, graphdef=gd, params=params, tokenizer=lm.tokenizer, step=0)
     with tempfile.TemporaryDirectory() as tmp:
-        hf_target, hf_draft, hf_big = load_hf(lm, tmp, "target"), load_hf(draft, tmp, "draft"), load_hf(big, tmp, "big")
-        plen, specs = 8, []
-        for name, model, hf_model in (("decode", lm, hf_target), ("decode_d512", big, hf_big)):
+        # Phase 1, relf_jax only; phase 2, transformers only (models loaded after phase 1): torch's
+        # OpenMP workers keep spinning after a call and would steal the two cores from JAX.
+        plen, ours_runs, row_meta = 8, [], []
+        for name, model in (("decode", lm), ("decode_d512", big)):
             for batch in (1, 8):
                 block = _prompt_block(lm.tokenizer, prompts, batch, plen)
-                specs.append((name, batch, _ours_ar(model, block, new), _hf_generate(hf_model, block, new),
-                              batch * new, {"params": count_params(model.params), "new_tokens": new}))
-        block = _prompt_block(lm.tokenizer, prompts, 1, plen)
-        hf_assisted = _hf_generate(hf_target, block, new, assistant=hf_draft)
+                ours_runs.append(_ours_ar(model, block, new))
+                row_meta.append((name, batch, batch * new, {"params": count_params(model.params), "new_tokens": new}))
+        block1 = _prompt_block(lm.tokenizer, prompts, 1, plen)
         spec_taus = {}
         for rule in ("standard", "nsd"):
-            run, spec_taus[rule] = _ours_spec(lm, draft, block, new, rule, k)
-            specs.append((f"spec_{rule}", 1, run, hf_assisted, new,
-                          {"k": k, "draft_params": count_params(draft.params),
-                           "hf": "assisted generation (exact speculative sampling), 4 draft tokens"}))
+            run, spec_taus[rule] = _ours_spec(lm, draft, block1, new, rule, k)
+            ours_runs.append(run)
+            row_meta.append((f"spec_{rule}", 1, new, {"k": k, "draft_params": count_params(draft.params),
+                                                      "hf": "assisted generation (exact speculative sampling), "
+                                                            "4 draft tokens"}))
         tc = cfg.train
         rng = np.random.default_rng(0)
         batch = rng.integers(4, lm.model_cfg.vocab_size, size=(tc.batch_size, cfg.data.seq_len + 1)).astype(np.int32)
+        ours_runs.append(_ours_train(lm, batch))
+        row_meta.append(("train", tc.batch_size, tc.batch_size * cfg.data.seq_len,
+                         {"seq_len": cfg.data.seq_len, "repetitions": reps * 2}))
+        ours = [_timed(run, reps * 2 if meta[0] == "train" else reps) for run, meta in zip(ours_runs, row_meta)]
+
+        hf_target, hf_draft, hf_big = load_hf(lm, tmp, "target"), load_hf(draft, tmp, "draft"), load_hf(big, tmp, "big")
+        hf_runs = []
+        for hf_model in (hf_target, hf_big):
+            for b in (1, 8):
+                hf_runs.append(_hf_generate(hf_model, _prompt_block(lm.tokenizer, prompts, b, plen), new))
+        assisted = _hf_generate(hf_target, block1, new, assistant=hf_draft)
+        hf_runs += [assisted, assisted]
         hf_train = AutoModelForCausalLM.from_pretrained(os.path.join(tmp, "target"), dtype=torch.float32)
-        specs.append(("train", tc.batch_size, _ours_train(lm, batch), _hf_train(hf_train, batch, tc),
-                      tc.batch_size * cfg.data.seq_len, {"seq_len": cfg.data.seq_len, "repetitions": reps * 2}))
-        # Two phases (all relf_jax rows, then all transformers rows): torch's OpenMP workers keep
-        # spinning after each call and would steal the two cores from JAX if the stacks alternated.
-        ours = [_timed(run, reps * 2 if task == "train" else reps) for task, _, run, _, _, _ in specs]
-        theirs = [_timed(run, reps * 2 if task == "train" else reps) for task, _, _, run, _, _ in specs]
-        for (task, batch_size, _, _, tokens, extra), o, t in zip(specs, ours, theirs):
+        hf_runs.append(_hf_train(hf_train, batch, tc))
+        theirs = [_timed(run, reps * 2 if meta[0] == "train" else reps) for run, meta in zip(hf_runs, row_meta)]
+        for (task, batch_size, tokens, extra), o, t in zip(row_meta, ours, theirs):
             if task.startswith("spec_"):
                 extra = {**extra, "ours_tau": float(np.mean(spec_taus[task[5:]]))}
             add(task, batch_size, o, t, tokens, **extra)
