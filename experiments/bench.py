@@ -6,7 +6,8 @@ other, on the same prompts, so ratios between rows are meaningful on a noisy mac
 - ``bench spec``: AR vs speculative decoding (standard / NSD / greedy rules, draft-model and
   prompt-lookup proposers) at batch 1 and 8, temperature 1.0 and 0.7: tokens/s, tau (tokens
   per target forward) and, for quality, gen PPL (exact judge, replies scored given their
-  prompts) and entropy.
+  prompts) and entropy; plus the target's forward cost over K + 1 tokens relative to one token
+  (`target_forward_cost`), which decides whether speculation can pay on this hardware.
 """
 
 from __future__ import annotations
@@ -92,7 +93,9 @@ def bench_spec(out: str, quick: bool = False, workdir: Optional[str] = None, ove
                       f"entropy {q['entropy']:.2f}", flush=True)
     report = {"rows": rows, "ratios": _spec_ratios(rows), "preset": preset, "k": k, "max_new_tokens": max_new,
               "num_prompts": n_prompts, "wall_s": time.perf_counter() - t0,
-              "draft_cost_ratio": _cost_ratio(lm, draft)}
+              "draft_cost_ratio": _cost_ratio(lm, draft),
+              # verification cost: K + 1 tokens in one target forward vs one token
+              "target_forward_cost": forward_costs(lm, k)}
     _write_json(out, report)
     print(json.dumps(report["ratios"], indent=2))
     return report
@@ -122,6 +125,55 @@ def _spec_ratios(rows) -> dict:
                 "nsd0.9_gen_ppl_over_ar": nsd["gen_ppl"] / ar_row["gen_ppl"],
                 "nsd0.9_entropy_over_ar": nsd["entropy"] / ar_row["entropy"],
             }
+    return out
+
+
+def forward_costs(lm, k: int, batches: Sequence[int] = (1, 8), context: int = 64, reps: int = 10) -> dict:
+    """Median ms of the target's cached forward over 1 token and over K + 1 tokens, per batch.
+
+    Speculative decoding pays off only when verifying K + 1 tokens costs much less than K + 1
+    one-token steps (memory-bound hardware); on a compute-bound CPU the ratio is close to K + 1.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from relf_jax.models.causal_lm import init_cache
+
+    loops = 16
+
+    @jax.jit
+    def fwd(params, tokens, cache, index):
+        # `loops` forwards in one while_loop, as inside the decoding loops (no dispatch cost);
+        # each depends on the previous one, so nothing is hoisted out of the loop
+        model = nnx.merge(lm.graphdef, params)
+        t = tokens.shape[1]
+        positions = index[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+
+        def body(_, carry):
+            toks, acc = carry
+            logits = model(toks, positions, cache=cache, cache_index=index)[0]
+            nxt = (toks + (jnp.argmax(logits, -1) > 10 ** 9).astype(jnp.int32))
+            return nxt, acc + logits[:, -1, 0].sum()
+
+        return jax.lax.fori_loop(0, loops, body, (tokens, jnp.float32(0)))[1]
+
+    out = {}
+    for b in batches:
+        cache = init_cache(lm.model_cfg, b, context + k + 1)
+        index = jnp.full((b,), context, jnp.int32)
+        ms = {}
+        for t in (1, k + 1):
+            tokens = jnp.full((b, t), 5, jnp.int32)
+            jax.block_until_ready(fwd(lm.params, tokens, cache, index))
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fwd(lm.params, tokens, cache, index))
+                times.append(time.perf_counter() - t0)
+            ms[t] = 1e3 * float(np.median(times)) / loops
+        out[f"b{b}"] = {"one_token_ms": ms[1], f"{k + 1}_tokens_ms": ms[k + 1],
+                        "ratio": ms[k + 1] / ms[1]}
     return out
 
 
