@@ -249,10 +249,10 @@ def bench_latency(out: str, quick: bool = False, workdir: Optional[str] = None, 
     stack is needed (it runs on a bare accelerator machine). `--quick`: tiny preset, 64 tokens.
     """
     import jax
-    import jax.numpy as jnp
     from flax import nnx
 
-    from relf_jax.flow.samplers import FlowSamplerSettings, sample as flow_sample
+    from relf_jax.flow.samplers import FlowSamplerSettings
+    from relf_jax.flow.samplers import sample as flow_sample
     from relf_jax.models import build_model
     from relf_jax.sampling import autoregressive as ar
 

@@ -1,6 +1,5 @@
 """The launcher: every bad input is a one-line error with exit status 2, not a traceback."""
 
-import dataclasses
 import json
 import os
 import subprocess

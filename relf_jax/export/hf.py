@@ -278,7 +278,8 @@ def spm_to_tokenizer_json(tok: Tokenizer, check_texts: Sequence[str] = ()) -> st
     the SentencePiece model on `check_texts`; a mismatch is an error.
     """
     try:
-        from tokenizers import Regex, Tokenizer as _Backend, normalizers, pre_tokenizers
+        from tokenizers import Regex, normalizers, pre_tokenizers
+        from tokenizers import Tokenizer as _Backend
         from transformers import AutoTokenizer
     except ImportError:
         raise UserError("exporting relf_jax's SentencePiece tokenizer to tokenizer.json needs transformers "

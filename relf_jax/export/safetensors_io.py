@@ -16,6 +16,7 @@ import base64
 import dataclasses
 import json
 import os
+
 import numpy as np
 
 from relf_jax.checkpoint import EMBEDDINGS_FILE, LoadedModel
