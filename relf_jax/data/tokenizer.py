@@ -29,6 +29,17 @@ def _space_markers(text: str) -> str:
     return re.sub(r"(?<=>)  (?=<)", " ", _MARKER_RE.sub(r" \1 ", text)).strip()
 
 
+def reply_ids(ids: Sequence[int] | np.ndarray, eos_id: int, pad_id: int, bos_id: int) -> list[int]:
+    """The ids to turn into text (both tokenizers): up to the first eos, without pad and bos."""
+    out = []
+    for i in np.asarray(ids, dtype=np.int64).reshape(-1).tolist():
+        if i == eos_id:
+            break
+        if i != pad_id and i != bos_id:
+            out.append(i)
+    return out
+
+
 def _training_lines(texts: Iterable[str | bytes]) -> Iterator[str]:
     """Yields whitespace-normalised, non-empty texts; raises if there are none."""
     seen = False
@@ -146,13 +157,7 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Text of ``ids`` (list or 1-D array): stops at the first eos, drops pad and bos."""
-        out = []
-        for i in np.asarray(ids, dtype=np.int64).reshape(-1).tolist():
-            if i == self.eos_id:
-                break
-            if i != self.pad_id and i != self.bos_id:
-                out.append(i)
-        return _space_markers(self._sp.decode(out))
+        return _space_markers(self._sp.decode(reply_ids(ids, self.eos_id, self.pad_id, self.bos_id)))
 
     def id_to_piece(self, token_id: int) -> str:
         return self._sp.id_to_piece(int(token_id))
@@ -220,13 +225,7 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Text of ``ids``: stops at the first eos, drops pad and bos."""
-        out = []
-        for i in np.asarray(ids, dtype=np.int64).reshape(-1).tolist():
-            if i == self.eos_id:
-                break
-            if i != self.pad_id and i != self.bos_id:
-                out.append(i)
-        return self._tk.decode(out, skip_special_tokens=False)
+        return self._tk.decode(reply_ids(ids, self.eos_id, self.pad_id, self.bos_id), skip_special_tokens=False)
 
     def id_to_piece(self, token_id: int) -> str:
         return self._tk.id_to_token(int(token_id))
