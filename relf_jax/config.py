@@ -32,7 +32,9 @@ class ConfigError(UserError):
 class ModelConfig:
     """Network shape. `vocab_size` 0 means: take it from the tokenizer."""
 
-    family: Literal["ar", "relf"] = "ar"
+    # ar: causal LM; relf: rectified language flow; bd: block-diffusion LM (masked diffusion inside
+    # blocks, causal across them); dws: the prompt-only workload predictor of relf_jax.dws
+    family: Literal["ar", "relf", "bd", "dws"] = "ar"
     vocab_size: int = 0
     d_model: int = 128
     num_layers: int = 4
@@ -51,6 +53,10 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     flow_embed_dim: int = 32  # relf: width of the fixed token embeddings (paper's best: 32)
+    block_size: int = 8  # bd: tokens per diffusion block; dws: the block size of the decoder predicted
+    max_blocks: int = 16  # dws: output blocks on the workload surface's grid (B_max)
+    # dws: "surface" (block head + step head -> S[b, s]) or a scalar baseline on the same encoder
+    predictor_head: Literal["surface", "length", "steps"] = "surface"
 
     @property
     def resolved_head_dim(self) -> int:
@@ -108,6 +114,7 @@ class SampleConfig:
     top_p: float = 1.0
     seed: int = 0
     prompt: str = ""
+    threshold: float = 0.95  # block diffusion: commit masked positions whose top probability exceeds it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +187,7 @@ class Config:
         _check(m.head_dim > 0 or m.d_model % m.num_heads == 0,
                f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads} (or set model.head_dim)")
         _check(m.resolved_head_dim % 2 == 0, "the head dimension must be even (RoPE rotates pairs)")
+        _check(m.block_size >= 1 and m.max_blocks >= 1, "model.block_size and model.max_blocks must be >= 1")
         _check(d.seq_len >= 2, "data.seq_len must be >= 2")
         _check(d.seq_len <= m.max_seq_len,
                f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
@@ -192,6 +200,7 @@ class Config:
         _check(t.checkpoint_every > 0 and t.keep_checkpoints > 0 and t.log_every > 0 and t.eval_every > 0,
                "train.checkpoint_every, train.keep_checkpoints, train.log_every and train.eval_every must be > 0")
         validate_sampling(s.temperature, s.top_k, s.top_p)
+        _check(0 <= s.threshold <= 1, f"sample.threshold must be in [0, 1], got {s.threshold}")
         _check(s.num_samples > 0 and s.batch_size > 0 and s.max_new_tokens > 0,
                "sample.num_samples, sample.batch_size and sample.max_new_tokens must be > 0")
         fl = self.flow

@@ -6,10 +6,12 @@
 from flax import nnx
 
 from relf_jax.config import ModelConfig
+from relf_jax.models.block_diffusion import BlockDiffusionLM
 from relf_jax.models.causal_lm import CausalLM
 from relf_jax.models.flow_lm import FlowLM
+from relf_jax.models.workload_predictor import WorkloadPredictor
 
-FAMILIES = {"ar": CausalLM, "relf": FlowLM}
+FAMILIES = {"ar": CausalLM, "relf": FlowLM, "bd": BlockDiffusionLM, "dws": WorkloadPredictor}
 
 
 def build_model(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:

@@ -1,0 +1,180 @@
+"""The prompt-only workload predictor: surfaces from prompts, its losses and its training.
+
+The network is `relf_jax.models.workload_predictor.WorkloadPredictor` (family "dws"). Here:
+
+- `predicted_surface(out, length, block_size)`: the block head's continuation probabilities
+  and the step head's per-block distribution over T_b in 1..d turned into
+  ``S[b, s] = P(N >= b+1) * P(T_b >= s+1)`` ([B, B_max, d], 0-indexed), the first block's
+  step distribution restricted to its capacity ``d - P mod d`` (or d);
+- losses for the generic train loop, coarse to fine (methods.md §4): `curve_loss` regresses
+  the workload curves ``sum_b min(T_b, h)`` for a few horizons h, `brier_loss` then fits the
+  surface to the 0/1 map of executed cells; `scalar_loss` trains the scalar baselines
+  (output length, total steps) on log(1 + y) with the same encoder;
+- `WorkloadData`: the training arrays built from decoded requests; `train_predictor` runs the
+  two stages (or the scalar one) through `relf_jax.train.loop.train`; `predict` is the jitted
+  batch forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from relf_jax.config import Config, ModelConfig
+from relf_jax.train.loop import TrainResult, train
+
+
+def horizons(block_size: int) -> tuple[int, ...]:
+    """The workload-curve horizons used in coarse training: 1 (blocks), 2, d/2 and d (steps)."""
+    return tuple(sorted({1, min(2, block_size), max(1, block_size // 2), block_size}))
+
+
+def first_block_capacity(length: jax.Array, block_size: int) -> jax.Array:
+    """Positions of the first output block: d - P mod d, or d when the prompt fills its block."""
+    r = length % block_size
+    return jnp.where(r == 0, block_size, block_size - r)
+
+
+def predicted_surface(out: dict, length: jax.Array, block_size: int) -> jax.Array:
+    """Surface [B, B_max, d] from the heads (``continue_logits``, ``step_logits``) of a batch."""
+    cont = jax.nn.sigmoid(out["continue_logits"].astype(jnp.float32))
+    p_exists = jnp.concatenate([jnp.ones_like(cont[:, :1]), jnp.cumprod(cont, axis=1)], axis=1)  # [B, B_max]
+    logits = out["step_logits"].astype(jnp.float32)
+    t = jnp.arange(1, block_size + 1)
+    cap = first_block_capacity(length, block_size)
+    allowed = jnp.ones(logits.shape, bool).at[:, 0, :].set(t[None, :] <= cap[:, None])
+    probs = jax.nn.softmax(jnp.where(allowed, logits, -jnp.inf), axis=-1)
+    tail = jnp.flip(jnp.cumsum(jnp.flip(probs, -1), axis=-1), -1)  # P(T_b >= s + 1)
+    return jnp.clip(p_exists[..., None] * tail, 0.0, 1.0)
+
+
+def surface_curves(surface: jax.Array, hs: Sequence[int]) -> jax.Array:
+    """E[sum_b min(T_b, h)] for each horizon: [..., B, d] -> [..., len(hs)]."""
+    return jnp.stack([surface[..., :h].sum(axis=(-2, -1)) for h in hs], axis=-1)
+
+
+def curve_loss(model, batch: dict, key: jax.Array):
+    """Coarse stage: squared error of the predicted workload curves, each scaled by B_max * h."""
+    del key
+    cfg = model.cfg
+    hs = horizons(cfg.block_size)
+    s = predicted_surface(model(batch["tokens"], batch["length"]), batch["length"], cfg.block_size)
+    scale = jnp.asarray([cfg.max_blocks * h for h in hs], jnp.float32)
+    err = (surface_curves(s, hs) - batch["curves"]) / scale
+    return jnp.mean(err ** 2), {"tokens": jnp.float32(s.shape[0])}
+
+
+def brier_loss(model, batch: dict, key: jax.Array):
+    """Fine stage: Brier score between the surface and the 0/1 map of executed cells."""
+    del key
+    cfg = model.cfg
+    s = predicted_surface(model(batch["tokens"], batch["length"]), batch["length"], cfg.block_size)
+    return jnp.mean((s - batch["executed"]) ** 2), {"tokens": jnp.float32(s.shape[0])}
+
+
+def scalar_target(batch: dict, head: str) -> jax.Array:
+    return batch["out_len"] if head == "length" else batch["total_steps"]
+
+
+def scalar_loss(model, batch: dict, key: jax.Array):
+    """Scalar baselines: squared error on log(1 + y), y = output tokens or total steps."""
+    del key
+    y = jnp.log1p(scalar_target(batch, model.cfg.predictor_head).astype(jnp.float32))
+    pred = model(batch["tokens"], batch["length"])["value"]
+    return jnp.mean((pred - y) ** 2), {"tokens": jnp.float32(y.shape[0])}
+
+
+@dataclasses.dataclass
+class WorkloadData:
+    """Training / evaluation arrays of decoded requests (one row per request)."""
+
+    tokens: np.ndarray  # [n, L] int32 prompt ids (cut to the last L, padded with 0)
+    length: np.ndarray  # [n] int32 prompt tokens P
+    executed: np.ndarray  # [n, B_max, d] float32 0/1 executed cells
+    curves: np.ndarray  # [n, H] float32 sum_b min(T_b, h)
+    out_len: np.ndarray  # [n] output tokens
+    total_steps: np.ndarray  # [n]
+
+    @classmethod
+    def build(cls, prompts: Sequence[Sequence[int]], steps_per_block: Sequence[Sequence[int]],
+              out_lens: Sequence[int], *, max_len: int, max_blocks: int, block_size: int) -> WorkloadData:
+        from relf_jax.dws.surface import executed_map
+
+        n = len(prompts)
+        if not (n == len(steps_per_block) == len(out_lens)) or n == 0:
+            raise ValueError("prompts, steps_per_block and out_lens must be non-empty and of equal length")
+        toks = np.zeros((n, max_len), np.int32)
+        for i, p in enumerate(prompts):
+            p = list(p)[-max_len:]
+            toks[i, :len(p)] = p
+        hs = horizons(block_size)
+        executed = np.stack([executed_map(s, max_blocks, block_size) for s in steps_per_block]).astype(np.float32)
+        curves = np.asarray([[sum(min(t, h) for t in s) for h in hs] for s in steps_per_block], np.float32)
+        return cls(tokens=toks, length=np.asarray([len(p) for p in prompts], np.int32), executed=executed,
+                   curves=curves, out_len=np.asarray(out_lens, np.float32),
+                   total_steps=np.asarray([sum(s) for s in steps_per_block], np.float32))
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+    def batch(self, idx: np.ndarray) -> dict:
+        return {k: v[idx] for k, v in dataclasses.asdict(self).items()}
+
+    def iterator(self, batch_size: int, seed: int) -> Iterator[dict]:
+        """Endless shuffled batches (each pass a new permutation)."""
+        rng = np.random.default_rng(seed)
+        while True:
+            perm = rng.permutation(len(self))
+            for i in range(0, len(perm) - batch_size + 1, batch_size):
+                yield self.batch(perm[i:i + batch_size])
+
+
+def predictor_config(vocab_size: int, block_size: int, max_blocks: int, head: str = "surface", *,
+                     d_model: int = 64, num_layers: int = 2, max_len: int = 64) -> ModelConfig:
+    """The predictor's network shape (about 0.2M parameters at vocabulary 1k)."""
+    return ModelConfig(family="dws", vocab_size=vocab_size, d_model=d_model, num_layers=num_layers, num_heads=4,
+                       num_kv_heads=4, mlp_dim=2 * d_model, max_seq_len=max_len, block_size=block_size,
+                       max_blocks=max_blocks, predictor_head=head)
+
+
+def train_predictor(cfg: Config, model_cfg: ModelConfig, data: WorkloadData, workdir: str, *,
+                    coarse_steps: int, fine_steps: int, eval_data: WorkloadData | None = None,
+                    tokenizer_bytes: bytes | None = None) -> TrainResult:
+    """Train one predictor in `workdir` (resumable): for the surface head, `coarse_steps` of
+    `curve_loss` (in ``<workdir>/coarse``) then `fine_steps` of `brier_loss` from those weights;
+    for a scalar head, ``coarse_steps + fine_steps`` of `scalar_loss`."""
+    bs = min(cfg.train.batch_size, len(data))
+    evals = [] if eval_data is None else [eval_data.batch(np.arange(min(len(eval_data), 256)))]
+
+    def run(loss_fn, steps, wd, init_params=None):
+        c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps, batch_size=bs,
+                                                                 grad_accum=1, eval_every=max(steps, 1),
+                                                                 checkpoint_every=max(steps, 1)))
+        return train(c, model_cfg, loss_fn, data.iterator(bs, cfg.train.seed), eval_data=evals, workdir=wd,
+                     tensorboard=False, init_params=init_params, tokenizer_bytes=tokenizer_bytes)
+
+    if model_cfg.predictor_head != "surface":
+        return run(scalar_loss, coarse_steps + fine_steps, workdir)
+    coarse = run(curve_loss, coarse_steps, os.path.join(workdir, "coarse"))
+    return run(brier_loss, fine_steps, workdir, init_params=coarse.params)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _forward(graphdef, params, tokens, length):
+    model = nnx.merge(graphdef, params)
+    out = model(tokens, length)
+    if model.cfg.predictor_head == "surface":
+        return predicted_surface(out, length, model.cfg.block_size)
+    return jnp.expm1(out["value"])
+
+
+def predict(graphdef, params, tokens: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """Surfaces [n, B_max, d] (surface head) or scalars [n] (output tokens / total steps)."""
+    return np.asarray(_forward(graphdef, params, jnp.asarray(tokens), jnp.asarray(length)))

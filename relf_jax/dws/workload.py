@@ -1,0 +1,127 @@
+"""Requests for DWS: chat prompts, their decoded workloads (labels) and timed runs.
+
+- `workload_prompts`: first user turns of fresh `synthetic_chat` conversations (whose reply
+  length follows the verbosity cue in the prompt) and real user utterances of the
+  `chatterbot-corpus` dialogs, each as ``<user> ... <assistant>``.
+- `decode_settings`: the confidence-threshold decoder's settings for a loaded block-diffusion
+  model; a reply stops at EOS or at the ``<user>`` marker that opens the next turn.
+- `decode_labels`: steps per block and output length of many prompts with the batched jitted
+  decoder (cheap labels for training the predictor).
+- `timed_runs`: the instrumented decoder over prompts, one at a time (`RequestLog` each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from relf_jax.dws.decoding import (
+    BlockDecodeSettings,
+    RequestLog,
+    decode_instrumented,
+    generate,
+    outputs,
+    pad_prompts,
+)
+
+
+@dataclasses.dataclass
+class WorkloadPrompt:
+    text: str
+    source: str  # "synthetic_chat" | "chatterbot"
+    ids: list[int]  # BOS + the prompt's token ids
+
+
+def workload_prompts(tok, *, n_synthetic: int, n_chatterbot: int, seed: int, max_tokens: int = 48,
+                     grammar=None) -> list[WorkloadPrompt]:
+    """Prompts in a deterministic shuffled order; prompts longer than `max_tokens` are skipped."""
+    from relf_jax.data.synthetic_chat import SyntheticChat
+
+    grammar = grammar or SyntheticChat()
+    texts = [(info["prompt"], "synthetic_chat") for info in grammar.sample_with_info(n_synthetic, seed)]
+    if n_chatterbot:
+        from relf_jax.data.builders.chatterbot.chatterbot import read_conversations
+
+        convs = read_conversations()
+        order = np.random.default_rng(seed).permutation(len(convs))
+        bot = []
+        for i in order:
+            words = convs[i].split()
+            if "<assistant>" in words:
+                bot.append(" ".join(words[: words.index("<assistant>") + 1]))
+            if len(bot) >= n_chatterbot:
+                break
+        texts += [(t, "chatterbot") for t in bot]
+    out = []
+    for text, source in texts:
+        ids = [tok.bos_id] + tok.encode(text)
+        if len(ids) <= max_tokens:
+            out.append(WorkloadPrompt(text=text, source=source, ids=ids))
+    order = np.random.default_rng(seed + 1).permutation(len(out))
+    return [out[i] for i in order]
+
+
+def decode_settings(lm, *, max_blocks: int, threshold: float = 0.95,
+                    block_size: int | None = None) -> BlockDecodeSettings:
+    """Settings for a loaded "bd" model: its block size, stop at EOS or ``<user>``."""
+    tok = lm.tokenizer
+    stops = [tok.eos_id]
+    user = tok.piece_to_id("<user>")
+    if user not in (tok.unk_id, tok.eos_id):
+        stops.append(user)
+    return BlockDecodeSettings(block_size=block_size or lm.model_cfg.block_size, max_blocks=max_blocks,
+                               mask_id=lm.model_cfg.vocab_size, pad_id=tok.pad_id, stop_ids=tuple(stops),
+                               threshold=threshold)
+
+
+def decode_labels(graphdef, params, prompts: Sequence[Sequence[int]], settings: BlockDecodeSettings, *,
+                  batch_size: int = 32, progress: bool = True) -> tuple[list[list[int]], list[int]]:
+    """(steps per block, output tokens) of each prompt, decoded `batch_size` at a time."""
+    from tqdm.auto import tqdm
+
+    longest = max(len(p) for p in prompts)
+    bucket = -(-longest // settings.block_size) * settings.block_size  # one compilation for all batches
+    steps, lens = [], []
+    for i in tqdm(range(0, len(prompts), batch_size), desc="decode labels", disable=not progress):
+        chunk = list(prompts[i:i + batch_size])
+        rows = chunk + [chunk[0]] * (batch_size - len(chunk))
+        arr, plen = pad_prompts(rows, settings.pad_id, settings.block_size, bucket)
+        state = jax.device_get(generate(graphdef, params, arr, plen, settings))
+        outs = outputs(state, plen)
+        for r in range(len(chunk)):
+            nb = int(state.num_blocks[r])
+            steps.append([int(x) for x in state.steps[r, :nb]])
+            lens.append(len(outs[r]))
+    return steps, lens
+
+
+def timed_runs(graphdef, params, prompts: Sequence[Sequence[int]], settings: BlockDecodeSettings, *,
+               warmup: bool = True, progress: bool = True, desc: str = "timed runs") -> list[RequestLog]:
+    """Instrumented decoding of each prompt in turn; with `warmup`, every prompt bucket is compiled
+    (by decoding one prompt of that bucket) before any clock starts."""
+    from tqdm.auto import tqdm
+
+    from relf_jax.dws.decoding import prompt_bucket
+
+    if warmup:
+        seen = {}
+        for p in prompts:
+            seen.setdefault(prompt_bucket(len(p), settings.block_size), p)
+        for p in seen.values():
+            decode_instrumented(graphdef, params, p, settings)
+    return [decode_instrumented(graphdef, params, p, settings)
+            for p in tqdm(prompts, desc=desc, disable=not progress)]
+
+
+def with_dtype(lm, dtype: str):
+    """(graphdef, params) of a loaded model computing in `dtype` (same float32 parameters):
+    the "other hardware" of the transfer experiment."""
+    from relf_jax.models import build_model
+
+    cfg = dataclasses.replace(lm.model_cfg, dtype=dtype)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0))))
+    return graphdef, lm.params

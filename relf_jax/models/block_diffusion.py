@@ -1,0 +1,113 @@
+"""Block-diffusion language model (BD3-LM style): network only.
+
+A sequence is cut into blocks of ``block_size`` tokens aligned on absolute positions (block j
+holds positions ``j*d .. j*d + d - 1``). Attention is bidirectional inside a block and causal
+across blocks; inside the block being generated some tokens are the mask token. The network
+maps tokens (with masks) to float32 logits over the vocabulary; the masked-diffusion loss lives
+in `relf_jax.train.objectives` and the confidence-threshold decoder in `relf_jax.dws.decoding`.
+
+The embedding table has one row more than the vocabulary: id ``vocab_size`` is the mask token
+(`mask_id`), which the output never predicts.
+
+Two ways to call it:
+- ``__call__(tokens, positions, mask, cache=None, cache_index=None)``: any attention mask
+  (``block_causal_mask`` for clean text, `decode_mask` for a block attending to a cache);
+  the decoder writes each block's keys/values into a fixed-size KV cache, one slot per
+  position, like `CausalLM`.
+- `training_logits(noisy, clean)`: the BD3-LM training pass over ``[noisy; clean]`` (length
+  2L) in one forward: a noisy token of block j sees the noisy tokens of its own block and the
+  clean tokens of blocks < j; clean tokens see clean tokens block-causally. So every block is
+  denoised given the clean text before it, as at decoding time.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from relf_jax.config import ModelConfig
+from relf_jax.models.causal_lm import DTYPES
+from relf_jax.models.layers import (
+    KVCache,
+    RMSNorm,
+    TransformerBlock,
+    block_causal_mask,
+    make_param,
+)
+from relf_jax.sharding import constrain
+
+
+def mask_id(cfg: ModelConfig) -> int:
+    """The mask token's id: one past the vocabulary."""
+    return cfg.vocab_size
+
+
+def training_mask(length: int, block_size: int) -> jax.Array:
+    """[2L, 2L] bool mask of the ``[noisy; clean]`` training pass (see the module docstring)."""
+    idx = jnp.arange(length)
+    blk = idx // block_size
+    same = blk[:, None] == blk[None, :]
+    before = blk[None, :] < blk[:, None]
+    upto = blk[None, :] <= blk[:, None]
+    none = jnp.zeros((length, length), bool)
+    top = jnp.concatenate([same, before], axis=1)  # noisy queries: own noisy block | earlier clean blocks
+    bottom = jnp.concatenate([none, upto], axis=1)  # clean queries: clean blocks up to their own
+    return jnp.concatenate([top, bottom], axis=0)
+
+
+def decode_mask(positions: jax.Array, num_slots: int, block_size: int) -> jax.Array:
+    """[B, T, S] bool: queries at `positions` [B, T] see cache slots of their block and earlier."""
+    b = positions.shape[0]
+    slots = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (b, num_slots))
+    return block_causal_mask(positions, slots, block_size)
+
+
+class BlockDiffusionLM(nnx.Module):
+    """Token (or mask) embedding -> N pre-norm blocks -> RMSNorm -> vocabulary logits."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        if cfg.vocab_size <= 0:
+            raise ValueError("ModelConfig.vocab_size must be set (from the tokenizer) before building a model")
+        if cfg.block_size < 1:
+            raise ValueError(f"model.block_size must be >= 1, got {cfg.block_size}")
+        self.cfg = cfg
+        dtype, pdtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
+        self.dtype = dtype
+        self.embed = make_param(rngs, jax.nn.initializers.normal(stddev=1.0), (cfg.vocab_size + 1, cfg.d_model),
+                                ("vocab", "embed"), pdtype)
+        self.blocks = nnx.List([
+            TransformerBlock(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim,
+                             rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps, rngs=rngs,
+                             dtype=dtype, param_dtype=pdtype, qkv_bias=cfg.qkv_bias)
+            for _ in range(cfg.num_layers)
+        ])
+        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs, param_dtype=pdtype)
+        self.lm_head = make_param(rngs, jax.nn.initializers.normal(stddev=cfg.d_model ** -0.5),
+                                  (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdtype)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, mask: jax.Array, *,
+                 cache: KVCache | None = None, cache_index: jax.Array | None = None):
+        """tokens, positions: [B, T] int; mask: [B, T, S] bool (S = T without a cache).
+
+        With a cache ([B, K, S, Dh] per layer), the T new keys/values are written at slots
+        ``cache_index[b] + arange(T)`` first. Returns (logits [B, T, V] float32, cache).
+        """
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
+        x = x * jnp.asarray(self.cfg.d_model ** 0.5, self.dtype)
+        x = constrain(x, ("batch", "length", "embed"))
+        new_cache = []
+        for i, block in enumerate(self.blocks):
+            x, c = block(x, positions, mask, cache=None if cache is None else cache[i], cache_index=cache_index)
+            new_cache.append(c)
+        x = self.final_norm(x).astype(jnp.float32)
+        logits = constrain(x @ self.lm_head[...].astype(jnp.float32), ("batch", "length", "vocab"))
+        return logits, (None if cache is None else tuple(new_cache))
+
+    def training_logits(self, noisy: jax.Array, clean: jax.Array) -> jax.Array:
+        """Logits [B, L, V] for the noisy tokens [B, L] given the clean sequence [B, L]."""
+        b, length = noisy.shape
+        pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+        mask = jnp.broadcast_to(training_mask(length, self.cfg.block_size), (b, 2 * length, 2 * length))
+        logits, _ = self(jnp.concatenate([noisy, clean], axis=1), jnp.concatenate([pos, pos], axis=1), mask)
+        return logits[:, :length]
