@@ -20,6 +20,7 @@ Parses arguments and calls library functions; holds no method. Config overrides 
     relf-jax export --workdir runs/tiny --format jax-export --out exported/tiny_steps --batch 1
     relf-jax bench hf --out hf.json [--quick]
     relf-jax bench rcsd --out rcsd.json [--quick]
+    relf-jax bench dws --out dws.json [--quick]
     relf-jax demo --quick
     relf-jax info
 
@@ -82,8 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--workdir", default=None)
 
     b = sub.add_parser("bench", help="long measurements written as JSON (bench spec | relf | verify | latency | "
-                                     "flowstep | hf | rcsd)")
-    b.add_argument("which", choices=["spec", "relf", "verify", "latency", "flowstep", "hf", "rcsd"])
+                                     "flowstep | hf | rcsd | dws)")
+    b.add_argument("which", choices=["spec", "relf", "verify", "latency", "flowstep", "hf", "rcsd", "dws"])
     b.add_argument("--out", required=True, help="JSON file to write")
     b.add_argument("--quick", action="store_true", help="tiny preset, a few minutes")
     b.add_argument("--workdir", default=None, help="where models are trained / cached")
@@ -144,6 +145,8 @@ def _run(args) -> int:
             from experiments.bench_hf import bench_hf as run_bench
         elif args.which == "rcsd":
             from experiments.bench_rcsd import bench_rcsd as run_bench
+        elif args.which == "dws":
+            from experiments.bench_dws import bench_dws as run_bench
         else:
             run_bench = getattr(bench, f"bench_{args.which}")
         run_bench(args.out, quick=args.quick, workdir=args.workdir, overrides=args.overrides)
@@ -217,6 +220,20 @@ def _run(args) -> int:
             return 0
         judge = workflows.exact_judge(cfg) if args.judge == "exact" else workflows.model_judge(args.judge)
         out = {**workflows.evaluate_samples(s, judge), "nfe": cfg.flow.nfe, "step": lm.step}
+        print(json.dumps(out, indent=2))
+        if args.out:
+            workflows.write_json(args.out, out)
+        return 0
+    if family == "bd":
+        s = workflows.sample_bd(lm, prompts=args.prompt, sample_cfg=cfg.sample, warmup=False)
+        if args.command == "sample":
+            for text in s.texts:
+                print(text)
+            print(f"[{len(s.texts)} replies, {s.tau:.2f} tokens per forward (denoising steps + refreshes), "
+                  f"{s.tokens_per_s:,.1f} tokens/s]", file=sys.stderr)
+            return 0
+        judge = workflows.exact_judge(cfg) if args.judge == "exact" else workflows.model_judge(args.judge)
+        out = {**workflows.evaluate_samples(s, judge), "step": lm.step}
         print(json.dumps(out, indent=2))
         if args.out:
             workflows.write_json(args.out, out)

@@ -32,7 +32,7 @@ from relf_jax.eval.judges import ExactJudge, ModelJudge
 from relf_jax.eval.metrics import quality
 from relf_jax.sampling import autoregressive as ar
 from relf_jax.train.loop import TrainResult, load_params, train
-from relf_jax.train.objectives import next_token_loss
+from relf_jax.train.objectives import masked_diffusion_loss, next_token_loss
 
 TOKENIZER_TRAIN_DOCS = 20_000
 
@@ -73,20 +73,26 @@ def prepare_tokenizer(cfg: Config, builder) -> Tokenizer:
 def train_lm(cfg: Config, *, mesh=None) -> TrainResult:
     """Prepare data and tokenizer, then train (or resume) the model of `cfg` in its workdir.
 
-    ``cfg.model.family`` picks the recipe: "ar" (next-token loss) or "relf" (`train_relf`).
+    ``cfg.model.family`` picks the recipe: "ar" (next-token loss), "relf" (`train_relf`) or "bd"
+    (block masked diffusion on whole-conversation rows).
     """
     if cfg.model.family == "relf":
         return train_relf(cfg, mesh=mesh)
+    if cfg.model.family not in ("ar", "bd"):
+        raise UserError(f"model.family={cfg.model.family!r} is not a language model to train here; "
+                        "the dws predictor trains with `relf-jax bench dws`")
     builder = prepare_data(cfg)
     tok = prepare_tokenizer(cfg, builder)
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size)
     cfg = dataclasses.replace(cfg, model=model_cfg)
     d, t = cfg.data, cfg.train
+    rows = row_mode(cfg)
     data = pipeline.make_iterator(builder, "train", tok, seq_len=d.seq_len, batch_size=t.batch_size,
-                                  seed=t.seed)
+                                  seed=t.seed, rows=rows)
     evals = pipeline.eval_batches(builder, "validation", tok, seq_len=d.seq_len, batch_size=t.batch_size,
-                                  max_batches=t.eval_batches)
-    return train(cfg, model_cfg, next_token_loss, data, eval_data=evals,
+                                  max_batches=t.eval_batches, rows=rows)
+    loss = masked_diffusion_loss if model_cfg.family == "bd" else next_token_loss
+    return train(cfg, model_cfg, loss, data, eval_data=evals,
                  workdir=os.path.join(cfg.workdir, model_cfg.family), mesh=mesh,
                  tokenizer_bytes=tok.to_bytes())
 
@@ -95,10 +101,11 @@ EMBEDDING_DOCS = 20_000
 
 
 def row_mode(cfg: Config) -> str:
-    """How training rows are cut (``data.rows``): "auto" is "documents" for ReLF, else "packed"."""
+    """How training rows are cut (``data.rows``): "auto" is "documents" for ReLF and block
+    diffusion (whole conversations from position 0, so blocks align with positions), else "packed"."""
     if cfg.data.rows != "auto":
         return cfg.data.rows
-    return "documents" if cfg.model.family == "relf" else "packed"
+    return "documents" if cfg.model.family in ("relf", "bd") else "packed"
 
 
 def flow_embeddings(cfg: Config, builder, tok: Tokenizer, model_dir: str) -> np.ndarray:
@@ -477,6 +484,50 @@ def sample(lm: LoadedModel, prompts: Optional[Sequence[str]] = None, n: Optional
             texts.append(tok.decode(body))
     return Samples(texts=texts, token_ids=token_ids, complete=complete, seconds=seconds, tokens=total,
                    target_forwards=forwards if use_spec else total)
+
+
+def sample_bd(lm: LoadedModel, prompts: Optional[Sequence[str]] = None, n: Optional[int] = None,
+              sample_cfg: Optional[SampleConfig] = None, warmup: bool = True) -> Samples:
+    """Replies from a block-diffusion model by confidence-threshold decoding (`relf_jax.dws.decoding`),
+    `batch_size` prompts at a time: greedy tokens, ``sample.threshold``, at most
+    ceil(``sample.max_new_tokens`` / block size) blocks, stopping at EOS or (when every prompt is
+    non-empty, i.e. a reply is wanted) at the ``<user>`` marker of the next turn.
+    ``target_forwards`` counts denoising steps plus one cache refresh per block."""
+    from relf_jax.dws import decoding as bdd
+    from relf_jax.dws.workload import decode_settings
+
+    sc = sample_cfg or lm.cfg.sample
+    n = n or sc.num_samples
+    prompts = list(prompts) if prompts is not None else [""] * n
+    if not prompts:
+        raise UserError("no prompts to sample from")
+    d = lm.model_cfg.block_size
+    settings = decode_settings(lm, max_blocks=-(-sc.max_new_tokens // d), threshold=sc.threshold)
+    if not all(prompts):  # a fresh conversation starts with <user>: only EOS ends it
+        settings = dataclasses.replace(settings, stop_ids=settings.stop_ids[:1])
+    tok = lm.tokenizer
+    ids = [encode_prompt(tok, p) for p in prompts]
+    bucket = bdd.prompt_bucket(max(len(x) for x in ids), d)
+    bs = sc.batch_size
+    texts, token_ids, complete, seconds, total, forwards = [], [], [], 0.0, 0, 0
+    for start in range(0, len(ids), bs):
+        chunk = ids[start:start + bs]
+        arr, plen = bdd.pad_prompts(chunk + [[tok.bos_id]] * (bs - len(chunk)), tok.pad_id, d, bucket)
+        if warmup and start == 0:
+            jax.block_until_ready(bdd.generate(lm.graphdef, lm.params, arr, plen, settings).tokens)
+        t0 = time.perf_counter()
+        state = jax.device_get(bdd.generate(lm.graphdef, lm.params, arr, plen, settings))
+        seconds += time.perf_counter() - t0
+        for i, out in enumerate(bdd.outputs(state, plen)[:len(chunk)]):
+            done = bool(out) and out[-1] in settings.stop_ids
+            body = out[:-1] if done else out
+            total += len(out)
+            forwards += int(state.steps[i].sum() + state.num_blocks[i])
+            token_ids.append(body)
+            complete.append(done)
+            texts.append(tok.decode(body))
+    return Samples(texts=texts, token_ids=token_ids, complete=complete, seconds=seconds, tokens=total,
+                   target_forwards=forwards)
 
 
 def stream_reply(lm: LoadedModel, prompt: str, sample_cfg: Optional[SampleConfig] = None):

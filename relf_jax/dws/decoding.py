@@ -232,6 +232,16 @@ def _refresh_jit(graphdef, params, cache, block, start, *, settings):
     return _forward(nnx.merge(graphdef, params), cache, block, start, settings)[1]
 
 
+def _placement(params):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    leaf = jax.tree.leaves(params)[0]
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        return lambda x: jax.device_put(x, NamedSharding(sharding.mesh, PartitionSpec()))
+    return jnp.asarray
+
+
 def prompt_bucket(prompt_len: int, block_size: int) -> int:
     """Prompt padding for one request: whole blocks, so prefill cost follows the prompt's blocks."""
     return -(-prompt_len // block_size) * block_size
@@ -250,8 +260,11 @@ def decode_instrumented(graphdef, params, prompt: Sequence[int], settings: Block
     d = settings.block_size
     pb = prompt_bucket(p, d)
     c = settings.canvas_len(pb)
-    prompts = jnp.asarray([list(prompt) + [settings.pad_id] * (pb - p)], jnp.int32)
-    plen = jnp.asarray([p], jnp.int32)
+    # host arrays placed like the parameters: eager ops on them then give arrays of the same
+    # sharding type as the jitted step's outputs, so a block's first step does not recompile
+    put = _placement(params)
+    prompts = put(np.asarray([list(prompt) + [settings.pad_id] * (pb - p)], np.int32))
+    plen = put(np.asarray([p], np.int32))
     t0 = time.perf_counter()
     cache = jax.block_until_ready(_prefill_jit(graphdef, params, prompts, plen, canvas_len=c, settings=settings))
     prefill_s = time.perf_counter() - t0

@@ -1,0 +1,327 @@
+"""`relf-jax bench dws`: can a prompt-only predictor of the denoising workload surface rank and
+price block-diffusion requests well enough for shortest-job-first scheduling to pay off?
+
+Composition only, in one run on one machine:
+
+1. a block-diffusion LM (family "bd", block size d) trained on `synthetic_chat` (cached in
+   ``<workdir>/bd``);
+2. requests: first user turns of fresh `synthetic_chat` conversations and real `chatterbot`
+   user utterances, split into train (labels from the batched decoder), probe (timed: fits the
+   cost model) and test (timed: the measured costs every predictor is scored against);
+3. predictors on the same encoder and data: the DWS surface predictor (coarse-to-fine), and the
+   scalar baselines predicting output length and total steps; plus prompt length and an oracle
+   (the realised surface under the fitted cost model). A scalar's cost is a weighted
+   least-squares line fitted on the probes, like the cost model;
+4. error of predicted vs measured cost (MAE, MAPE, Kendall tau) on the test requests;
+5. transfer: the same requests timed with the model computing in bfloat16 (other "hardware"):
+   the old cost model's error, then the error after refitting only the cost model on the
+   bfloat16 probes (predictor kept);
+6. a discrete-event simulation driven by the measured test service times: Poisson arrivals at
+   loads 0.5..0.95, FCFS vs SJF on each predictor (with aging), one server and a 4-slot server,
+   several seeds; latency and time to first block;
+7. the predictor's time per prompt (tokenize + encoder + surface + cost) on one pinned core,
+   in a subprocess;
+8. plots: predicted vs measured surfaces of a few test prompts; mean latency vs load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from experiments.bench import _write_json
+
+
+@dataclasses.dataclass(frozen=True)
+class DWSBenchSizes:
+    bd_steps: int = 600
+    block_size: int = 8
+    max_blocks: int = 12
+    n_train: int = 2000
+    n_probe: int = 150
+    n_test: int = 400
+    chatterbot_share: float = 0.2
+    coarse_steps: int = 400
+    fine_steps: int = 600
+    predictor_batch: int = 64
+    loads: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+    seeds: int = 5
+    sim_jobs: int = 2000
+    slots: tuple[int, ...] = (1, 4)
+    aging_horizon: float = 100.0  # in mean service times: a request waiting this long gains one size spread
+
+
+QUICK = DWSBenchSizes(bd_steps=150, n_train=400, n_probe=60, n_test=120, coarse_steps=100, fine_steps=150,
+                      loads=(0.5, 0.7, 0.9), seeds=5, sim_jobs=500)
+
+PREDICTORS = ("dws", "length", "steps", "prompt_len", "oracle")
+
+
+def _split(items: list, sizes: Sequence[int]) -> list[list]:
+    out, i = [], 0
+    for n in sizes:
+        out.append(items[i:i + n])
+        i += n
+    return out
+
+
+def _costs(logs) -> np.ndarray:
+    return np.asarray([lg.total_s for lg in logs])
+
+
+def _maps(logs, max_blocks: int, block_size: int) -> np.ndarray:
+    from relf_jax.dws.surface import executed_map
+
+    return np.stack([executed_map(lg.steps_per_block, max_blocks, block_size) for lg in logs])
+
+
+def _prompt_blocks(prompts, block_size: int) -> np.ndarray:
+    return np.asarray([len(p.ids) / block_size for p in prompts])
+
+
+def bench_dws(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = ()) -> dict:
+    import jax
+
+    from relf_jax import workflows
+    from relf_jax.config import make_config
+    from relf_jax.dws import cost_model as cm
+    from relf_jax.dws import predictor as pr
+    from relf_jax.dws.metrics import cost_errors
+    from relf_jax.dws.surface import check_surface
+    from relf_jax.dws.workload import (
+        decode_labels,
+        decode_settings,
+        timed_runs,
+        with_dtype,
+        workload_prompts,
+    )
+    from relf_jax.serving.scheduler import FCFS, SJF, aging_for
+    from relf_jax.serving.simulator import load_sweep
+
+    sz = QUICK if quick else DWSBenchSizes()
+    t_start = time.perf_counter()
+    workdir = workdir or os.path.join("runs", "bench_dws_quick" if quick else "bench_dws")
+    preset = "tiny" if quick else "cpu"
+    cfg = make_config(preset, ["model=bd", f"model.block_size={sz.block_size}", f"train.steps={sz.bd_steps}",
+                               *overrides], workdir=workdir)
+    workflows.train_lm(cfg)
+    lm = workflows.load_model(workdir, "bd")
+    tok, d, nb = lm.tokenizer, sz.block_size, sz.max_blocks
+    settings = decode_settings(lm, max_blocks=nb)
+
+    n_all = sz.n_train + sz.n_probe + sz.n_test
+    n_bot = round(n_all * sz.chatterbot_share)
+    max_prompt = 48
+    prompts = workload_prompts(tok, n_synthetic=int(1.15 * (n_all - n_bot)) + 10, n_chatterbot=n_bot, seed=4242,
+                               max_tokens=max_prompt)
+    if len(prompts) < n_all:
+        raise RuntimeError(f"only {len(prompts)} usable prompts for {n_all} requests")
+    train_p, probe_p, test_p = _split(prompts, (sz.n_train, sz.n_probe, sz.n_test))
+    graphdef, params = lm.graphdef, lm.params
+
+    # --- labels (batched decoder) and timed runs (instrumented, one request at a time)
+    t0 = time.perf_counter()
+    train_steps, train_lens = decode_labels(graphdef, params, [p.ids for p in train_p], settings)
+    label_s = time.perf_counter() - t0
+    probe_logs = timed_runs(graphdef, params, [p.ids for p in probe_p], settings, desc="probe requests")
+    test_logs = timed_runs(graphdef, params, [p.ids for p in test_p], settings, desc="test requests")
+
+    # --- predictors: the surface one and the scalar baselines, same encoder and data
+    data_kw = {"max_len": max_prompt, "max_blocks": nb, "block_size": d}
+    train_data = pr.WorkloadData.build([p.ids for p in train_p], train_steps, train_lens, **data_kw)
+    test_data = pr.WorkloadData.build([p.ids for p in test_p], [lg.steps_per_block for lg in test_logs],
+                                      [len(lg.output) for lg in test_logs], **data_kw)
+    probe_data = pr.WorkloadData.build([p.ids for p in probe_p], [lg.steps_per_block for lg in probe_logs],
+                                       [len(lg.output) for lg in probe_logs], **data_kw)
+    pcfg = make_config(preset, ["train.learning_rate=2e-3", "train.warmup_steps=20", "train.log_every=50",
+                                f"train.batch_size={sz.predictor_batch}"], workdir=workdir)
+    predicted = {}  # head -> (probe predictions, test predictions)
+    train_s = {}
+    for head in ("surface", "length", "steps"):
+        mcfg = pr.predictor_config(tok.vocab_size, d, nb, head, max_len=max_prompt)
+        t0 = time.perf_counter()
+        res = pr.train_predictor(pcfg, mcfg, train_data, os.path.join(workdir, "predictor", head),
+                                 coarse_steps=sz.coarse_steps, fine_steps=sz.fine_steps, eval_data=test_data,
+                                 tokenizer_bytes=tok.to_bytes())
+        train_s[head] = time.perf_counter() - t0
+        predicted[head] = tuple(pr.predict(res.graphdef, res.params, x.tokens, x.length)
+                                for x in (probe_data, test_data))
+
+    # --- costs: cost model on the probes' realised surfaces, scalar lines on the probes
+    probe_cost, test_cost = _costs(probe_logs), _costs(test_logs)
+    m_probe, m_test = _prompt_blocks(probe_p, d), _prompt_blocks(test_p, d)
+    probe_maps, test_maps = _maps(probe_logs, nb, d), _maps(test_logs, nb, d)
+    model = cm.fit_cost_model(m_probe, probe_maps, probe_cost)
+    _s_probe, s_test = predicted["surface"]
+    scalars = {"length": predicted["length"], "steps": predicted["steps"],
+               "prompt_len": (m_probe, m_test)}
+    pred_cost = {"dws": model.predict(m_test, s_test), "oracle": model.predict(m_test, test_maps)}
+    for name, (xp, xt) in scalars.items():
+        pred_cost[name] = cm.fit_scalar_cost(xp, probe_cost).predict(xt)
+    errors = {name: cost_errors(pred_cost[name], test_cost) for name in PREDICTORS}
+    surface_violations = sum(len(check_surface(s)) for s in s_test)
+
+    # --- transfer: bfloat16 compute as the other hardware; keep the predictor, refit the cost model
+    g16, p16 = with_dtype(lm, "bfloat16")
+    probe16 = timed_runs(g16, p16, [p.ids for p in probe_p], settings, desc="probe requests (bf16)")
+    test16 = timed_runs(g16, p16, [p.ids for p in test_p], settings, desc="test requests (bf16)")
+    cost16 = _costs(test16)
+    model16 = cm.fit_cost_model(m_probe, _maps(probe16, nb, d), _costs(probe16))
+    transfer = {
+        "hardware": "model computing in bfloat16 (float32 parameters) on the same CPU",
+        "mean_cost_ratio_bf16_over_fp32": float(cost16.mean() / test_cost.mean()),
+        "before_refit": cost_errors(model.predict(m_test, s_test), cost16),
+        "after_refit": cost_errors(model16.predict(m_test, s_test), cost16),
+        "oracle_after_refit": cost_errors(model16.predict(m_test, _maps(test16, nb, d)), cost16),
+        "same_steps_share": float(np.mean([a.steps_per_block == b.steps_per_block
+                                           for a, b in zip(test_logs, test16)])),
+    }
+
+    # --- scheduling simulation on the measured test requests
+    service = test_cost
+    first = np.asarray([lg.first_block_s for lg in test_logs])
+    keys = {"dws": pred_cost["dws"], "length": pred_cost["length"], "steps": pred_cost["steps"],
+            "prompt_len": pred_cost["prompt_len"], "oracle": service}
+    horizon = sz.aging_horizon * float(service.mean())
+    policies = {"fcfs": FCFS()}
+    for k, v in keys.items():
+        policies[f"sjf_{k}"] = SJF(key=k, aging=aging_for(v, horizon))
+    latency = {}
+    for slots in sz.slots:
+        latency[f"slots_{slots}"] = load_sweep(service, first, keys, policies, sz.loads, range(sz.seeds),
+                                               sz.sim_jobs, slots=slots)
+    single = latency["slots_1"]
+    at = str(0.9)
+
+    def mean_at(policy):
+        return single["latency"][policy][at]["mean"]
+
+    # --- predictor time per prompt on one pinned core
+    pred_ms = _predictor_latency(os.path.join(workdir, "predictor", "surface"), model,
+                                 [p.text for p in test_p][:200], d, nb, max_prompt)
+
+    result = {
+        "config": {**dataclasses.asdict(sz), "quick": quick, "workdir": workdir, "backend": jax.default_backend(),
+                   "threshold": settings.threshold, "stop_ids": list(settings.stop_ids)},
+        "workload": {
+            "n_train": len(train_p), "n_probe": len(probe_p), "n_test": len(test_p),
+            "chatterbot_in_test": int(sum(p.source == "chatterbot" for p in test_p)),
+            "test_mean_cost_s": float(test_cost.mean()), "test_cost_cv": float(test_cost.std() / test_cost.mean()),
+            "test_mean_blocks": float(np.mean([lg.num_blocks for lg in test_logs])),
+            "test_mean_steps": float(np.mean([lg.total_steps for lg in test_logs])),
+            "test_mean_steps_per_block": float(np.mean([lg.total_steps / lg.num_blocks for lg in test_logs])),
+            "label_decode_s": label_s,
+        },
+        "cost_model": model.to_dict(),
+        "error": errors,
+        "error_ratio_vs_length": errors["length"]["mae"] / errors["dws"]["mae"],
+        "error_ratio_vs_steps": errors["steps"]["mae"] / errors["dws"]["mae"],
+        "error_ratio_vs_prompt_len": errors["prompt_len"]["mae"] / errors["dws"]["mae"],
+        "predicted_surface_invariant_violations": surface_violations,
+        "transfer": transfer,
+        "latency": single["latency"],
+        "ttft": single["ttft"],
+        "latency_batched": {k: v["latency"] for k, v in latency.items() if k != "slots_1"},
+        "ttft_batched": {k: v["ttft"] for k, v in latency.items() if k != "slots_1"},
+        "per_seed_mean_latency": single["per_seed_mean_latency"],
+        "latency_ratio_fcfs_over_sjf_dws": mean_at("fcfs") / mean_at("sjf_dws"),
+        "latency_ratio_sjf_length_over_sjf_dws": mean_at("sjf_length") / mean_at("sjf_dws"),
+        "latency_ratio_sjf_steps_over_sjf_dws": mean_at("sjf_steps") / mean_at("sjf_dws"),
+        "predictor_ms_per_prompt": pred_ms,
+        "predictor_train_s": train_s,
+        "wall_s": time.perf_counter() - t_start,
+    }
+    base = os.path.splitext(out)[0]
+    result["plots"] = _plots(base, s_test, test_maps, test_p, single["latency"], sz.loads)
+    _write_json(out, result)
+    print(json.dumps({k: result[k] for k in ("error_ratio_vs_length", "error_ratio_vs_steps",
+                                              "latency_ratio_fcfs_over_sjf_dws", "predictor_ms_per_prompt")},
+                     indent=2))
+    return result
+
+
+def _plots(base: str, s_pred: np.ndarray, s_true: np.ndarray, prompts, latency: dict, loads) -> dict:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    idx = np.argsort([m.sum() for m in s_true])
+    pick = [int(idx[int(q * (len(idx) - 1))]) for q in (0.1, 0.5, 0.9)]
+    fig, axes = plt.subplots(2, len(pick), figsize=(4 * len(pick), 6), squeeze=False)
+    for col, i in enumerate(pick):
+        for row, (arr, name) in enumerate(((s_pred[i], "predicted S"), (s_true[i], "executed cells"))):
+            ax = axes[row, col]
+            ax.imshow(arr, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+            ax.set_title(f"{name}: {arr.sum():.1f} steps", fontsize=9)
+            ax.set_xlabel("step s")
+            ax.set_ylabel("block b")
+        axes[0, col].text(0, -2.2, prompts[i].text[:48], fontsize=7)
+    fig.tight_layout()
+    surf = base + "_surfaces.png"
+    fig.savefig(surf, dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy, by_load in latency.items():
+        ax.plot(loads, [by_load[str(x)]["mean"] for x in loads], marker="o", label=policy)
+    ax.set_xlabel("load")
+    ax.set_ylabel("mean end-to-end latency (s)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    lat = base + "_latency.png"
+    fig.savefig(lat, dpi=110)
+    plt.close(fig)
+    return {"surfaces": surf, "latency_vs_load": lat}
+
+
+def _predictor_latency(predictor_dir: str, model, texts: list[str], block_size: int, max_blocks: int,
+                       max_len: int) -> float:
+    """Median ms per prompt of tokenize + predictor + cost, batch 1, in a subprocess on one core."""
+    spec = {"dir": os.path.abspath(predictor_dir), "cost_model": model.to_dict(), "texts": texts,
+            "max_len": max_len}
+    env = dict(os.environ, XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+    code = ("import json, sys, os; os.sched_setaffinity(0, {0}); "
+            "from experiments.bench_dws import predictor_latency_child; "
+            "print(json.dumps(predictor_latency_child(json.loads(sys.stdin.read()))))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", code], input=json.dumps(spec), capture_output=True, text=True,
+                         env=env, cwd=root, check=True)
+    return float(json.loads(res.stdout.strip().splitlines()[-1])["ms_per_prompt"])
+
+
+def predictor_latency_child(spec: dict) -> dict:
+    import jax.numpy as jnp
+
+    from relf_jax import workflows
+    from relf_jax.dws import cost_model as cm
+    from relf_jax.dws import predictor as pr
+
+    lm = workflows.load_model(spec["dir"], "dws")
+    model = cm.CostModel.from_dict(spec["cost_model"])
+    tok, cfg, max_len = lm.tokenizer, lm.model_cfg, spec["max_len"]
+
+    def one(text):
+        ids = [tok.bos_id] + tok.encode(text)
+        arr = np.zeros((1, max_len), np.int32)
+        cut = ids[-max_len:]
+        arr[0, :len(cut)] = cut
+        length = np.asarray([len(ids)], np.int32)
+        s = np.asarray(pr._forward(lm.graphdef, lm.params, jnp.asarray(arr), jnp.asarray(length)))
+        return model.predict(length / cfg.block_size, s)[0]
+
+    for text in spec["texts"][:5]:
+        one(text)  # compile
+    times = []
+    for text in spec["texts"]:
+        t0 = time.perf_counter()
+        one(text)
+        times.append(time.perf_counter() - t0)
+    return {"ms_per_prompt": 1e3 * float(np.median(times)), "mean_ms": 1e3 * float(np.mean(times))}
