@@ -86,7 +86,8 @@ def _prompt_blocks(prompts, block_size: int) -> np.ndarray:
     return np.asarray([len(p.ids) / block_size for p in prompts])
 
 
-def bench_dws(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = ()) -> dict:
+def bench_dws(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),
+              sizes: DWSBenchSizes | None = None) -> dict:
     import jax
 
     from relf_jax import workflows
@@ -105,7 +106,7 @@ def bench_dws(out: str, quick: bool = False, workdir: str | None = None, overrid
     from relf_jax.serving.scheduler import FCFS, SJF, aging_for
     from relf_jax.serving.simulator import load_sweep
 
-    sz = QUICK if quick else DWSBenchSizes()
+    sz = sizes or (QUICK if quick else DWSBenchSizes())
     t_start = time.perf_counter()
     workdir = workdir or os.path.join("runs", "bench_dws_quick" if quick else "bench_dws")
     preset = "tiny" if quick else "cpu"

@@ -1,0 +1,94 @@
+"""The prompt-only workload predictor: surface invariants, losses, coarse-to-fine training."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from relf_jax.config import make_config
+from relf_jax.dws import predictor as pr
+from relf_jax.dws.surface import check_surface, executed_map
+from relf_jax.models import build_model
+
+D, NB, V = 4, 5, 30
+
+
+def test_predicted_surface_invariants_and_first_block_cap():
+    rng = np.random.default_rng(0)
+    out = {"continue_logits": jnp.asarray(rng.normal(0, 2, (16, NB - 1)), jnp.float32),
+           "step_logits": jnp.asarray(rng.normal(0, 2, (16, NB, D)), jnp.float32)}
+    length = jnp.arange(1, 17)
+    s = np.asarray(pr.predicted_surface(out, length, D))
+    for i in range(16):
+        assert check_surface(s[i]) == []
+        assert s[i, 0, 0] == pytest.approx(1.0)
+        cap = D - (i + 1) % D if (i + 1) % D else D
+        assert np.all(s[i, 0, cap:] == 0)  # the first block cannot take more steps than it has positions
+    # the workload curve at h = d is the total expected steps; at h = 1 the expected blocks
+    curves = np.asarray(pr.surface_curves(jnp.asarray(s), (1, D)))
+    np.testing.assert_allclose(curves[:, 1], s.sum(axis=(1, 2)), rtol=1e-6)
+    np.testing.assert_allclose(curves[:, 0], s[:, :, 0].sum(axis=1), rtol=1e-6)
+
+
+def _toy_data(n: int, seed: int) -> pr.WorkloadData:
+    """Token 5 in the prompt: one 1-step block; token 6: three 4-step blocks (prompts fill a block)."""
+    rng = np.random.default_rng(seed)
+    kinds = rng.integers(0, 2, n)
+    prompts = [[2, 5 + k, int(rng.integers(8, V)), 7] for k in kinds]
+    steps = [[1] if k == 0 else [4, 4, 4] for k in kinds]
+    lens = [len(s) * D for s in steps]
+    return pr.WorkloadData.build(prompts, steps, lens, max_len=8, max_blocks=NB, block_size=D)
+
+
+def test_workload_data_build():
+    data = _toy_data(6, 0)
+    assert data.tokens.shape == (6, 8) and data.executed.shape == (6, NB, D)
+    for i in range(6):
+        steps = [1] if data.tokens[i, 1] == 5 else [4, 4, 4]
+        np.testing.assert_array_equal(data.executed[i], executed_map(steps, NB, D))
+        assert data.curves[i].tolist() == [sum(min(t, h) for t in steps) for h in pr.horizons(D)]
+        assert data.total_steps[i] == sum(steps)
+
+
+def test_losses_finite_with_gradients():
+    data = _toy_data(8, 1)
+    batch = {k: jnp.asarray(v) for k, v in data.batch(np.arange(8)).items()}
+    for head, losses in (("surface", (pr.curve_loss, pr.brier_loss)), ("length", (pr.scalar_loss,)),
+                         ("steps", (pr.scalar_loss,))):
+        graphdef, params = nnx.split(build_model(pr.predictor_config(V, D, NB, head, d_model=16, num_layers=1,
+                                                                      max_len=8), nnx.Rngs(0)))
+        for loss_fn in losses:
+            def value(p, f=loss_fn, g=graphdef):
+                return f(nnx.merge(g, p), batch, jax.random.key(0))[0]
+
+            loss, grads = jax.jit(jax.value_and_grad(value))(params)
+            assert np.isfinite(float(loss))
+            assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+
+def test_default_predictor_is_small():
+    cfg = pr.predictor_config(1024, 8, 12, "surface")
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(build_model(cfg, nnx.Rngs(0)), nnx.Param)))
+    assert n <= 1_000_000
+
+
+def test_coarse_to_fine_training_learns_the_surface(tmp_path):
+    cfg = make_config("tiny", ["train.learning_rate=1e-2", "train.warmup_steps=5", "train.progress=false",
+                               "train.batch_size=32"], workdir=str(tmp_path))
+    mcfg = pr.predictor_config(V, D, NB, "surface", d_model=16, num_layers=1, max_len=8)
+    res = pr.train_predictor(cfg, mcfg, _toy_data(256, 2), str(tmp_path / "p"), coarse_steps=60, fine_steps=60)
+    test = _toy_data(32, 3)
+    s = pr.predict(res.graphdef, res.params, test.tokens, test.length)
+    assert all(check_surface(x) == [] for x in s)
+    short = test.tokens[:, 1] == 5
+    err = np.abs(s.sum(axis=(1, 2)) - test.total_steps)
+    assert err.mean() < 1.5, err  # true totals are 1 and 12 steps
+    assert s[~short].sum(axis=(1, 2)).min() > s[short].sum(axis=(1, 2)).max()
+    # the scalar baseline on the same encoder
+    scfg = dataclasses.replace(mcfg, predictor_head="steps")
+    sres = pr.train_predictor(cfg, scfg, _toy_data(256, 2), str(tmp_path / "s"), coarse_steps=60, fine_steps=60)
+    y = pr.predict(sres.graphdef, sres.params, test.tokens, test.length)
+    assert np.abs(y - test.total_steps).mean() < 2.0
