@@ -502,21 +502,24 @@ def sample_bd(lm: LoadedModel, prompts: Optional[Sequence[str]] = None, n: Optio
     if not prompts:
         raise UserError("no prompts to sample from")
     d = lm.model_cfg.block_size
-    settings = decode_settings(lm, max_blocks=-(-sc.max_new_tokens // d), threshold=sc.threshold)
+    settings = decode_settings(lm, max_blocks=-(-sc.max_new_tokens // d), threshold=sc.threshold,
+                               temperature=sc.temperature)
     if not all(prompts):  # a fresh conversation starts with <user>: only EOS ends it
         settings = dataclasses.replace(settings, stop_ids=settings.stop_ids[:1])
     tok = lm.tokenizer
     ids = [encode_prompt(tok, p) for p in prompts]
     bucket = bdd.prompt_bucket(max(len(x) for x in ids), d)
     bs = sc.batch_size
+    key = jax.random.key(sc.seed)
     texts, token_ids, complete, seconds, total, forwards = [], [], [], 0.0, 0, 0
     for start in range(0, len(ids), bs):
         chunk = ids[start:start + bs]
         arr, plen = bdd.pad_prompts(chunk + [[tok.bos_id]] * (bs - len(chunk)), tok.pad_id, d, bucket)
+        key, sub = jax.random.split(key)
         if warmup and start == 0:
-            jax.block_until_ready(bdd.generate(lm.graphdef, lm.params, arr, plen, settings).tokens)
+            jax.block_until_ready(bdd.generate(lm.graphdef, lm.params, arr, plen, settings, sub).tokens)
         t0 = time.perf_counter()
-        state = jax.device_get(bdd.generate(lm.graphdef, lm.params, arr, plen, settings))
+        state = jax.device_get(bdd.generate(lm.graphdef, lm.params, arr, plen, settings, sub))
         seconds += time.perf_counter() - t0
         for i, out in enumerate(bdd.outputs(state, plen)[:len(chunk)]):
             done = bool(out) and out[-1] in settings.stop_ids

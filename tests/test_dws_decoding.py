@@ -52,6 +52,19 @@ def test_commit_rule_on_hand_made_logits():
     np.testing.assert_array_equal(np.asarray(commit), [[0, 1, 0, 0]])
 
 
+def test_sampled_tokens_follow_the_tempered_distribution():
+    """With temperature > 0 the committed token is a sample of softmax(logits / T)."""
+    p = np.asarray([0.5, 0.3, 0.2] + [0.0] * (V - 3))
+    logits = jnp.log(jnp.asarray(np.broadcast_to(p, (4000, 1, V)) + 1e-30, jnp.float32))
+    commit, tokens = dec.confidence_commit(logits, jnp.ones((4000, 1), bool), 0.95, temperature=1.0,
+                                           key=jax.random.key(3))
+    assert np.asarray(commit).all()  # the single masked position is always committed
+    freq = np.bincount(np.asarray(tokens)[:, 0], minlength=3)[:3] / 4000
+    np.testing.assert_allclose(freq, p[:3], atol=0.03)  # 4000 draws: std <= 0.008
+    with pytest.raises(ValueError):
+        dec.confidence_commit(logits, jnp.ones((4000, 1), bool), 0.95, temperature=1.0)
+
+
 def test_training_mask_shape():
     m = np.asarray(training_mask(8, 4))
     # noisy query 5 (block 1): noisy keys 4..7, clean keys 0..3
@@ -132,6 +145,8 @@ def test_masked_diffusion_loss_masks_and_grads(bd):
 def test_bad_settings():
     with pytest.raises(ValueError):
         settings(threshold=1.5)
+    with pytest.raises(ValueError):
+        settings(temperature=-1.0)
     with pytest.raises(ValueError):
         settings(stop_ids=())
     with pytest.raises(ValueError):

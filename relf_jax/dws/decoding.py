@@ -47,12 +47,15 @@ class BlockDecodeSettings:
     pad_id: int
     stop_ids: tuple[int, ...]
     threshold: float = 0.95
+    temperature: float = 0.0  # 0: greedy tokens; > 0: tokens sampled from softmax(logits / T)
 
     def __post_init__(self):
         if self.block_size < 1 or self.max_blocks < 1:
             raise ValueError("block_size and max_blocks must be >= 1")
         if not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not self.stop_ids:
             raise ValueError("stop_ids must name at least one token (EOS)")
 
@@ -61,16 +64,27 @@ class BlockDecodeSettings:
         return (prompt_bucket // self.block_size + self.max_blocks) * self.block_size
 
 
-def confidence_commit(logits: jax.Array, is_masked: jax.Array, threshold: float):
+def confidence_commit(logits: jax.Array, is_masked: jax.Array, threshold: float, *, temperature: float = 0.0,
+                      key: jax.Array | None = None):
     """The commit rule on one step's logits.
 
     logits [B, d, V], is_masked [B, d] bool -> (commit [B, d] bool, tokens [B, d] int32):
-    commit every masked position whose top probability is > threshold; a row with masked
-    positions but none above it commits its single most confident masked position.
+    commit every masked position whose confidence is > threshold; a row with masked positions
+    but none above it commits its single most confident masked position. Greedy (temperature
+    0): the token is the argmax and the confidence its probability. With temperature > 0 the
+    token is sampled from softmax(logits / T) (Gumbel-max with `key`) and the confidence is the
+    sampled token's probability under that distribution.
     """
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    conf = probs.max(axis=-1)
-    tokens = jnp.argmax(probs, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32)
+    if temperature > 0:
+        if key is None:
+            raise ValueError("sampling (temperature > 0) needs a key")
+        logits = logits / temperature
+        tokens = jnp.argmax(logits + jax.random.gumbel(key, logits.shape, jnp.float32), axis=-1).astype(jnp.int32)
+    else:
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    conf = jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
     above = is_masked & (conf > threshold)
     best = jnp.argmax(jnp.where(is_masked, conf, -1.0), axis=-1)
     fallback = jax.nn.one_hot(best, is_masked.shape[1], dtype=bool) & is_masked
@@ -96,10 +110,11 @@ def _prefill(model, prompts, prompt_len, canvas_len: int, settings: BlockDecodeS
     return cache
 
 
-def _step(model, cache, block, start, is_masked, settings: BlockDecodeSettings):
+def _step(model, cache, block, start, is_masked, key, settings: BlockDecodeSettings):
     """One denoising step: forward over the block, commit by the rule. Returns (cache, block, is_masked)."""
     logits, cache = _forward(model, cache, block, start, settings)
-    commit, tokens = confidence_commit(logits, is_masked, settings.threshold)
+    commit, tokens = confidence_commit(logits, is_masked, settings.threshold, temperature=settings.temperature,
+                                       key=key)
     return cache, jnp.where(commit, tokens, block), is_masked & ~commit
 
 
@@ -146,9 +161,11 @@ def _canvas(prompts, canvas_len: int, pad_id: int):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
 def generate(graphdef, params, prompts: jax.Array, prompt_len: jax.Array,
-             settings: BlockDecodeSettings) -> BlockDecodeState:
-    """Decode replies for padded prompts [B, P_bucket] (int32) with lengths [B] (>= 1)."""
+             settings: BlockDecodeSettings, key: jax.Array | None = None) -> BlockDecodeState:
+    """Decode replies for padded prompts [B, P_bucket] (int32) with lengths [B] (>= 1); `key`
+    seeds the token sampling when ``settings.temperature > 0``."""
     model = nnx.merge(graphdef, params)
+    key = jax.random.key(0) if key is None else key
     b, pb = prompts.shape
     c = settings.canvas_len(pb)
     cache = _prefill(model, prompts, prompt_len, c, settings)
@@ -158,20 +175,21 @@ def generate(graphdef, params, prompts: jax.Array, prompt_len: jax.Array,
                              num_blocks=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool))
 
     def block_body(carry):
-        j, cache, st = carry
+        j, cache, st, key = carry
         active = ~st.done
         start = _block_start(prompt_len, j, settings)
         block, is_masked = _open_block(st.tokens, prompt_len, start, settings)
         is_masked &= active[:, None]
 
         def step_body(inner):
-            cache, block, is_masked, steps = inner
+            cache, block, is_masked, steps, key = inner
+            key, sub = jax.random.split(key)
             stepping = is_masked.any(axis=1)
-            cache, block, is_masked = _step(model, cache, block, start, is_masked, settings)
-            return cache, block, is_masked, steps + stepping.astype(jnp.int32)
+            cache, block, is_masked = _step(model, cache, block, start, is_masked, sub, settings)
+            return cache, block, is_masked, steps + stepping.astype(jnp.int32), key
 
-        cache, block, _, steps = jax.lax.while_loop(lambda x: x[2].any(), step_body,
-                                                    (cache, block, is_masked, jnp.zeros((b,), jnp.int32)))
+        cache, block, _, steps, key = jax.lax.while_loop(
+            lambda x: x[2].any(), step_body, (cache, block, is_masked, jnp.zeros((b,), jnp.int32), key))
         _, cache = _forward(model, cache, block, start, settings)  # refresh: clean keys/values
         tokens, stop_pos = _close_block(st.tokens, block, start, prompt_len, active, settings)
         last = j + 1 >= settings.max_blocks
@@ -179,10 +197,10 @@ def generate(graphdef, params, prompts: jax.Array, prompt_len: jax.Array,
         length = jnp.where(ends, jnp.where(stop_pos >= 0, stop_pos + 1, start + settings.block_size), st.length)
         st = BlockDecodeState(tokens=tokens, length=length, steps=st.steps.at[:, j].set(jnp.where(active, steps, 0)),
                               num_blocks=st.num_blocks + active.astype(jnp.int32), done=st.done | ends)
-        return j + 1, cache, st
+        return j + 1, cache, st, key
 
-    _, _, state = jax.lax.while_loop(lambda x: (x[0] < settings.max_blocks) & ~x[2].done.all(), block_body,
-                                     (jnp.int32(0), cache, state))
+    _, _, state, _ = jax.lax.while_loop(lambda x: (x[0] < settings.max_blocks) & ~x[2].done.all(), block_body,
+                                        (jnp.int32(0), cache, state, key))
     return state
 
 
@@ -223,8 +241,8 @@ def _prefill_jit(graphdef, params, prompts, prompt_len, *, canvas_len, settings)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"), donate_argnames=("cache",))
-def _step_jit(graphdef, params, cache, block, start, is_masked, *, settings):
-    return _step(nnx.merge(graphdef, params), cache, block, start, is_masked, settings)
+def _step_jit(graphdef, params, cache, block, start, is_masked, key, *, settings):
+    return _step(nnx.merge(graphdef, params), cache, block, start, is_masked, key, settings)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"), donate_argnames=("cache",))
@@ -247,11 +265,13 @@ def prompt_bucket(prompt_len: int, block_size: int) -> int:
     return -(-prompt_len // block_size) * block_size
 
 
-def decode_instrumented(graphdef, params, prompt: Sequence[int], settings: BlockDecodeSettings) -> RequestLog:
+def decode_instrumented(graphdef, params, prompt: Sequence[int], settings: BlockDecodeSettings,
+                        key: jax.Array | None = None) -> RequestLog:
     """Decode one prompt (token ids, BOS first) step by step from Python, timing every forward.
 
     Uses the same prefill / step / refresh functions as `generate`, so the tokens are the same
-    (up to float reassociation across batch shapes). Each timed call ends with
+    (up to float reassociation across batch shapes; sampled tokens differ, since the noise's
+    shape follows the batch). Each timed call ends with
     ``block_until_ready``; the first call of a shape compiles, so warm up before measuring.
     """
     p = len(prompt)
@@ -270,6 +290,9 @@ def decode_instrumented(graphdef, params, prompt: Sequence[int], settings: Block
     prefill_s = time.perf_counter() - t0
     canvas = _canvas(prompts, c, settings.pad_id)
     active = jnp.ones((1,), bool)
+    key = jax.random.key(0) if key is None else key
+    if put is not jnp.asarray:
+        key = put(key)
     steps, step_s, refresh_s, output = [], [], [], []
     stopped, first_block_s = False, 0.0
     for j in range(settings.max_blocks):
@@ -277,8 +300,10 @@ def decode_instrumented(graphdef, params, prompt: Sequence[int], settings: Block
         block, is_masked = _open_block(canvas, plen, start, settings)
         times = []
         while bool(is_masked.any()):
+            key, sub = jax.random.split(key)
             t0 = time.perf_counter()
-            cache, block, is_masked = _step_jit(graphdef, params, cache, block, start, is_masked, settings=settings)
+            cache, block, is_masked = _step_jit(graphdef, params, cache, block, start, is_masked, sub,
+                                                settings=settings)
             jax.block_until_ready(is_masked)
             times.append(time.perf_counter() - t0)
         t0 = time.perf_counter()

@@ -75,7 +75,7 @@ def decode_settings(lm, *, max_blocks: int, threshold: float = 0.95,
         stops.append(user)
     return BlockDecodeSettings(block_size=block_size or lm.model_cfg.block_size, max_blocks=max_blocks,
                                mask_id=lm.model_cfg.vocab_size, pad_id=tok.pad_id, stop_ids=tuple(stops),
-                               threshold=threshold)
+                               threshold=threshold, temperature=temperature)
 
 
 def decode_labels(graphdef, params, prompts: Sequence[Sequence[int]], settings: BlockDecodeSettings, *,
