@@ -10,6 +10,7 @@ from flax import nnx
 
 from relf_jax.config import make_config
 from relf_jax.dws import decoding as dec
+from relf_jax.dws.surface import check_surface, empirical_surface
 from relf_jax.models import build_model
 from relf_jax.models.block_diffusion import decode_mask, training_mask
 from relf_jax.train.objectives import masked_diffusion_loss
@@ -99,6 +100,7 @@ def test_generate_invariants_and_instrumented_agree(bd):
     arr, plen = dec.pad_prompts(prompts, 0, D)
     st = jax.device_get(dec.generate(graphdef, params, arr, plen, s))
     outs = dec.outputs(st, plen)
+    logs = []
     for i, p in enumerate(prompts):
         nb = int(st.num_blocks[i])
         steps = st.steps[i, :nb]
@@ -113,6 +115,12 @@ def test_generate_invariants_and_instrumented_agree(bd):
         assert log.output == outs[i]
         assert len(log.step_s) == nb and [len(t) for t in log.step_s] == steps.tolist()
         assert log.total_s >= log.first_block_s >= log.prefill_s > 0
+        logs.append(log)
+    # the workload surface of the logged runs: invariants and its two sums
+    surf = empirical_surface([lg.steps_per_block for lg in logs], s.max_blocks, D)
+    assert check_surface(surf) == []
+    assert surf.sum() == pytest.approx(np.mean([lg.total_steps for lg in logs]))
+    assert surf[:, 0].sum() == pytest.approx(np.mean([lg.num_blocks for lg in logs]))
 
 
 def test_stop_token_ends_decoding(bd):

@@ -65,9 +65,9 @@ def workload_prompts(tok, *, n_synthetic: int, n_chatterbot: int, seed: int, max
     return [out[i] for i in order]
 
 
-def decode_settings(lm, *, max_blocks: int, threshold: float = 0.95,
+def decode_settings(lm, *, max_blocks: int, threshold: float = 0.95, temperature: float = 0.0,
                     block_size: int | None = None) -> BlockDecodeSettings:
-    """Settings for a loaded "bd" model: its block size, stop at EOS or ``<user>``."""
+    """Settings for a loaded "bd" model: its block size, stop at EOS or ``<user>``, greedy by default."""
     tok = lm.tokenizer
     stops = [tok.eos_id]
     user = tok.piece_to_id("<user>")
