@@ -44,12 +44,12 @@ class DWSBenchSizes:
     bd_steps: int = 600
     block_size: int = 8
     max_blocks: int = 12
-    n_train: int = 2000
+    n_train: int = 6000
     n_probe: int = 150
     n_test: int = 400
     chatterbot_share: float = 0.2
-    coarse_steps: int = 400
-    fine_steps: int = 600
+    coarse_steps: int = 600
+    fine_steps: int = 1200
     predictor_batch: int = 64
     loads: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
     seeds: int = 5
