@@ -143,12 +143,14 @@ def bench_dws(out: str, quick: bool = False, workdir: str | None = None, overrid
                                        [len(lg.output) for lg in probe_logs], **data_kw)
     pcfg = make_config(preset, ["train.learning_rate=2e-3", "train.warmup_steps=20", "train.log_every=50",
                                 f"train.batch_size={sz.predictor_batch}"], workdir=workdir)
+    # predictors resume from their checkpoints, so their directory names the data they train on
+    pred_dir = os.path.join(workdir, f"predictor_n{sz.n_train}_c{sz.coarse_steps}_f{sz.fine_steps}")
     predicted = {}  # head -> (probe predictions, test predictions)
     train_s = {}
     for head in ("surface", "length", "steps"):
         mcfg = pr.predictor_config(tok.vocab_size, d, nb, head, max_len=max_prompt)
         t0 = time.perf_counter()
-        res = pr.train_predictor(pcfg, mcfg, train_data, os.path.join(workdir, "predictor", head),
+        res = pr.train_predictor(pcfg, mcfg, train_data, os.path.join(pred_dir, head),
                                  coarse_steps=sz.coarse_steps, fine_steps=sz.fine_steps, eval_data=test_data,
                                  tokenizer_bytes=tok.to_bytes())
         train_s[head] = time.perf_counter() - t0
@@ -205,7 +207,7 @@ def bench_dws(out: str, quick: bool = False, workdir: str | None = None, overrid
         return single["latency"][policy][at]["mean"]
 
     # --- predictor time per prompt on one pinned core
-    pred_ms = _predictor_latency(os.path.join(workdir, "predictor", "surface"), model,
+    pred_ms = _predictor_latency(os.path.join(pred_dir, "surface"), model,
                                  [p.text for p in test_p][:200], d, nb, max_prompt)
 
     result = {
