@@ -489,7 +489,8 @@ def sample(lm: LoadedModel, prompts: Optional[Sequence[str]] = None, n: Optional
 def sample_bd(lm: LoadedModel, prompts: Optional[Sequence[str]] = None, n: Optional[int] = None,
               sample_cfg: Optional[SampleConfig] = None, warmup: bool = True) -> Samples:
     """Replies from a block-diffusion model by confidence-threshold decoding (`relf_jax.dws.decoding`),
-    `batch_size` prompts at a time: greedy tokens, ``sample.threshold``, at most
+    `batch_size` prompts at a time: tokens sampled at ``sample.temperature`` (0: greedy), commits by
+    ``sample.threshold``, at most
     ceil(``sample.max_new_tokens`` / block size) blocks, stopping at EOS or (when every prompt is
     non-empty, i.e. a reply is wanted) at the ``<user>`` marker of the next turn.
     ``target_forwards`` counts denoising steps plus one cache refresh per block."""
