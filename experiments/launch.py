@@ -212,32 +212,11 @@ def _run(args) -> int:
         lm = dataclasses.replace(lm, cfg=cfg)
         s = workflows.sample_relf(lm, cfg.sample.num_samples, batch_size=cfg.sample.batch_size,
                                   seed=cfg.sample.seed, warmup=False)
-        if args.command == "sample":
-            for text in s.texts:
-                print(text)
-            print(f"[{len(s.texts)} sequences, {cfg.flow.nfe} network calls each ({cfg.flow.sampler}), "
-                  f"{s.tokens_per_s:,.1f} tokens/s]", file=sys.stderr)
-            return 0
-        judge = workflows.exact_judge(cfg) if args.judge == "exact" else workflows.model_judge(args.judge)
-        out = {**workflows.evaluate_samples(s, judge), "nfe": cfg.flow.nfe, "step": lm.step}
-        print(json.dumps(out, indent=2))
-        if args.out:
-            workflows.write_json(args.out, out)
-        return 0
+        return _sample_or_eval(args, cfg, lm, s, f"{cfg.flow.nfe} network calls each ({cfg.flow.sampler})",
+                               {"nfe": cfg.flow.nfe})
     if family == "bd":
-        s = workflows.sample_bd(lm, prompts=args.prompt, sample_cfg=cfg.sample, warmup=False)
-        if args.command == "sample":
-            for text in s.texts:
-                print(text)
-            print(f"[{len(s.texts)} replies, {s.tau:.2f} tokens per forward (denoising steps + refreshes), "
-                  f"{s.tokens_per_s:,.1f} tokens/s]", file=sys.stderr)
-            return 0
-        judge = workflows.exact_judge(cfg) if args.judge == "exact" else workflows.model_judge(args.judge)
-        out = {**workflows.evaluate_samples(s, judge), "step": lm.step}
-        print(json.dumps(out, indent=2))
-        if args.out:
-            workflows.write_json(args.out, out)
-        return 0
+        s = workflows.sample_bd(lm, prompts=getattr(args, "prompt", None), sample_cfg=cfg.sample, warmup=False)
+        return _sample_or_eval(args, cfg, lm, s, f"{s.tau:.2f} tokens per forward (denoising steps + refreshes)")
     if args.command == "sample":
         if args.stream:
             if cfg.speculative.rule != "none":
@@ -267,6 +246,24 @@ def _run(args) -> int:
             workflows.write_json(args.out, out)
         return 0
     raise AssertionError(args.command)
+
+
+def _sample_or_eval(args, cfg, lm, samples, speed_note: str, extra: dict | None = None) -> int:
+    """`sample`: print the texts and a one-line speed summary; `eval`: judge them, print (and
+    write) the JSON. Shared by the whole-sequence generators (ReLF, block diffusion)."""
+    from relf_jax import workflows
+
+    if args.command == "sample":
+        for text in samples.texts:
+            print(text)
+        print(f"[{len(samples.texts)} samples, {speed_note}, {samples.tokens_per_s:,.1f} tokens/s]", file=sys.stderr)
+        return 0
+    judge = workflows.exact_judge(cfg) if args.judge == "exact" else workflows.model_judge(args.judge)
+    out = {**workflows.evaluate_samples(samples, judge), **(extra or {}), "step": lm.step}
+    print(json.dumps(out, indent=2))
+    if args.out:
+        workflows.write_json(args.out, out)
+    return 0
 
 
 def _export(args) -> int:

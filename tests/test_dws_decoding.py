@@ -170,3 +170,18 @@ def test_bad_settings():
 def test_decode_mask_block_causal():
     m = np.asarray(decode_mask(jnp.asarray([[4, 5, 6, 7]]), 12, 4))
     assert m[0, 0].tolist() == [1] * 8 + [0] * 4
+
+
+@pytest.mark.entry
+def test_bd_cli_train_sample_eval(tmp_path, capsys):
+    """`relf-jax train/sample/eval model=bd` end to end on a few-step tiny model."""
+    from experiments.launch import main
+
+    wd = str(tmp_path)
+    assert main(["train", "--preset", "tiny", "--workdir", wd, "model=bd",
+                 "model.block_size=4", "train.steps=4", "train.progress=false"]) == 0
+    common = ["--workdir", wd, "model=bd", "sample.num_samples=2", "sample.batch_size=2", "sample.max_new_tokens=8"]
+    assert main(["sample", *common, "--prompt", "<user> hello there <assistant>"]) == 0
+    assert "tokens per forward" in capsys.readouterr().err
+    assert main(["eval", *common, "--judge", "exact"]) == 0
+    assert '"gen_ppl"' in capsys.readouterr().out

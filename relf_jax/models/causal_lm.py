@@ -17,7 +17,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from relf_jax.config import ModelConfig
-from relf_jax.models.layers import KVCache, RMSNorm, TransformerBlock, causal_mask, make_param
+from relf_jax.models.layers import (
+    KVCache,
+    RMSNorm,
+    causal_mask,
+    decoder_stack,
+    make_param,
+)
 from relf_jax.sharding import constrain
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -34,12 +40,7 @@ class CausalLM(nnx.Module):
         self.dtype = dtype
         self.embed = make_param(rngs, jax.nn.initializers.normal(stddev=1.0), (cfg.vocab_size, cfg.d_model),
                                 ("vocab", "embed"), pdtype)
-        self.blocks = nnx.List([
-            TransformerBlock(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim,
-                             rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps, rngs=rngs,
-                             dtype=dtype, param_dtype=pdtype, qkv_bias=cfg.qkv_bias)
-            for _ in range(cfg.num_layers)
-        ])
+        self.blocks = decoder_stack(cfg, rngs=rngs, dtype=dtype, param_dtype=pdtype)
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs, param_dtype=pdtype)
         if not cfg.tie_embeddings:
             self.lm_head = make_param(rngs, jax.nn.initializers.normal(stddev=cfg.d_model ** -0.5),

@@ -207,3 +207,14 @@ class TransformerBlock(nnx.Module):
             x = x + a.astype(x.dtype)
             x = x + self.mlp(self.mlp_norm(x)).astype(x.dtype)
         return constrain(x, ("batch", "length", "embed")), cache
+
+
+def decoder_stack(cfg, *, rngs: nnx.Rngs, dtype, param_dtype) -> nnx.List:
+    """``cfg.num_layers`` unconditioned pre-norm blocks of a `ModelConfig`'s shape (causal and
+    block-diffusion LMs; the mask passed at call time decides causal or block-causal)."""
+    return nnx.List([
+        TransformerBlock(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim,
+                         rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps, rngs=rngs,
+                         dtype=dtype, param_dtype=param_dtype, qkv_bias=cfg.qkv_bias)
+        for _ in range(cfg.num_layers)
+    ])
