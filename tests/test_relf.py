@@ -5,6 +5,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from relf_jax.config import make_config
@@ -94,6 +95,7 @@ def test_one_reflow_round_lowers_straightness(tmp_path):
     assert after < 0.9 * before, (before, after)
 
 
+@pytest.mark.slow  # the reflow rounds run in the quick demo test too; this adds the CLI parsing
 def test_reflow_cli_rounds(tmp_path, capsys):
     import json
 
