@@ -73,10 +73,19 @@ def confidence_commit(logits: jax.Array, is_masked: jax.Array, threshold: float,
     but none above it commits its single most confident masked position. Greedy (temperature
     0): the token is the argmax and the confidence its probability. With temperature > 0 the
     token is sampled from softmax(logits / T) (Gumbel-max with `key`) and the confidence is the
-    sampled token's probability under that distribution.
+    sampled token's probability under that distribution. `temperature` may be a traced scalar
+    (0 then means greedy, as above).
     """
     logits = logits.astype(jnp.float32)
-    if temperature > 0:
+    if not isinstance(temperature, (int, float)):  # traced (one value per request, e.g. a server slot)
+        if key is None:
+            raise ValueError("a traced temperature needs a key")
+        t = jnp.asarray(temperature, jnp.float32)
+        scaled = logits / jnp.where(t > 0, t, 1.0)
+        drawn = jnp.argmax(scaled + jax.random.gumbel(key, logits.shape, jnp.float32), axis=-1)
+        tokens = jnp.where(t > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+        logits = scaled
+    elif temperature > 0:
         if key is None:
             raise ValueError("sampling (temperature > 0) needs a key")
         logits = logits / temperature

@@ -144,10 +144,14 @@ def euler_integrate(
     guidance: float = 1.0,
     use_singular: bool = True,
     t_eps: float = DEFAULT_T_EPS,
+    known=None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Euler ODE from z0 [B, L, d] over times ts [n + 1]; returns (Z at ts[-1], last X1_hat)."""
+    """Euler ODE from z0 [B, L, d] over times ts [n + 1]; returns (Z at ts[-1], last X1_hat).
+
+    known: optional (mask [B, L] bool, x1 [B, L, d]): positions held on their path
+    ``t * x1 + (1 - t) * z0`` after every step (conditioning on a prompt)."""
     return _integrate(z0, residual_fn, embeddings, ts, None, c=c, guidance=guidance,
-                      use_singular=use_singular, t_eps=t_eps, gamma=0.0, renoise="linear")
+                      use_singular=use_singular, t_eps=t_eps, gamma=0.0, renoise="linear", known=known)
 
 
 def stochastic_integrate(
@@ -163,6 +167,7 @@ def stochastic_integrate(
     use_singular: bool = True,
     t_eps: float = DEFAULT_T_EPS,
     renoise: str = "linear",
+    known=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Stochastic sampler from z0 [B, L, d]; step_keys [n] (one per step; the last is unused).
 
@@ -173,11 +178,11 @@ def stochastic_integrate(
     (the path's at t'); "linear" adds less. The last step is plain Euler (deterministic).
     """
     return _integrate(z0, residual_fn, embeddings, ts, step_keys, c=c, guidance=guidance,
-                      use_singular=use_singular, t_eps=t_eps, gamma=gamma, renoise=renoise)
+                      use_singular=use_singular, t_eps=t_eps, gamma=gamma, renoise=renoise, known=known)
 
 
 def _integrate(z0, residual_fn, embeddings, ts, step_keys, *, c, guidance, use_singular, t_eps,
-               gamma, renoise):
+               gamma, renoise, known=None):
     z0 = jnp.asarray(z0, jnp.float32)
     embeddings = jnp.asarray(embeddings, jnp.float32)
     ts = jnp.asarray(ts, jnp.float32)
@@ -203,6 +208,10 @@ def _integrate(z0, residual_fn, embeddings, ts, step_keys, *, c, guidance, use_s
         f = guided_residual(residual_fn, z, tb, sc, guidance)
         z_next, x1_hat = fused_flow_step(z, tb, jnp.full((batch,), t_to, jnp.float32), f, embeddings,
                                          c=c, use_singular=use_singular, t_eps=t_eps)
+        if known is not None:  # hold the known positions on their interpolation path
+            mask, x1 = known
+            z_next = jnp.where(mask[..., None], t_to * x1 + (1.0 - t_to) * z0, z_next)
+            x1_hat = jnp.where(mask[..., None], x1, x1_hat)
         return (z_next, x1_hat), None
 
     keys = step_keys if stochastic else jnp.zeros((t_now.shape[0],), jnp.uint32)
@@ -242,6 +251,7 @@ def euler_sample(
     grid: str = "uniform",
     use_singular: bool = True,
     t_eps: float = DEFAULT_T_EPS,
+    known=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Euler ODE sampler: (tokens [B, L] int32, Z at t = 1 [B, L, d] float32).
 
@@ -254,7 +264,7 @@ def euler_sample(
     _check_static(nfe, grid, c, t_eps)
     z0 = jax.random.normal(key, (batch, length, jnp.shape(embeddings)[1]), jnp.float32)
     z, sc = euler_integrate(z0, residual_fn, embeddings, time_grid(nfe, grid), c=c, guidance=guidance,
-                            use_singular=use_singular, t_eps=t_eps)
+                            use_singular=use_singular, t_eps=t_eps, known=known)
     return _finish(residual_fn, z, sc, embeddings, c=c, guidance=guidance, use_singular=use_singular, t_eps=t_eps)
 
 
@@ -273,6 +283,7 @@ def stochastic_sample(
     use_singular: bool = True,
     t_eps: float = DEFAULT_T_EPS,
     renoise: str = "linear",
+    known=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Stochastic sampler (see `stochastic_integrate`): (tokens [B, L] int32, Z_1 [B, L, d])."""
     _check_static(nfe, grid, c, t_eps)
@@ -282,7 +293,7 @@ def stochastic_sample(
     z0 = jax.random.normal(z_key, (batch, length, jnp.shape(embeddings)[1]), jnp.float32)
     z, sc = stochastic_integrate(z0, jax.random.split(noise_key, nfe), residual_fn, embeddings,
                                  time_grid(nfe, grid), c=c, gamma=gamma, guidance=guidance,
-                                 use_singular=use_singular, t_eps=t_eps, renoise=renoise)
+                                 use_singular=use_singular, t_eps=t_eps, renoise=renoise, known=known)
     return _finish(residual_fn, z, sc, embeddings, c=c, guidance=guidance, use_singular=use_singular, t_eps=t_eps)
 
 
@@ -294,9 +305,12 @@ def sample(
     *,
     batch: int,
     length: int,
+    known=None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Run the sampler `settings.sampler` with those settings: (tokens [B, L], Z_1 [B, L, d])."""
-    common = {"batch": batch, "length": length, "nfe": settings.nfe, "c": settings.c,
+    """Run the sampler `settings.sampler` with those settings: (tokens [B, L], Z_1 [B, L, d]).
+
+    known: optional (mask [B, L] bool, x1 [B, L, d]) positions held on their path (a prompt)."""
+    common = {"batch": batch, "length": length, "nfe": settings.nfe, "c": settings.c, "known": known,
               "guidance": settings.guidance, "grid": settings.grid,
               "use_singular": settings.use_singular, "t_eps": settings.t_eps}
     if settings.sampler == "euler":

@@ -1,0 +1,365 @@
+"""Continuous batching: one engine, a bounded queue under a pluggable policy, slots that
+requests join and leave between engine steps.
+
+`Batcher` runs the loop in a background thread:
+
+1. drop cancelled requests (queued ones leave the queue; running ones free their slot at once);
+2. admit: while a slot is free and the queue is not empty, pop the request the policy ranks
+   first (`relf_jax.serving.scheduler`), `prefill` it and `insert` it into the slot;
+3. one `generate` step for every occupied slot; each slot's new tokens are turned into text
+   (held back while they could still be the start of a stop string or an unfinished UTF-8
+   character) and sent to the request's sink; a request ends at a stop token, a stop string,
+   its `max_tokens`, or the end of the context, and its slot is freed before the next step.
+
+Callers `submit` a `GenerationRequest` with a *sink*, a function called (from the batcher's
+thread) with each `Event`; the server bridges it into asyncio, `ChatModel` into a queue.
+`submit` raises `QueueFull` when the queue is at its bound (the server answers 429). `stop`
+drains: it refuses new requests, lets queued and running ones finish, then ends the thread.
+
+Timing: every request records its arrival, admission, first token and end (monotonic
+seconds) and the engine seconds spent on it (its prefill plus every step while it held a
+slot), so the overhead of everything that is not a model step can be measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from relf_jax.serving.engines import Engine, RequestParams
+from relf_jax.serving.scheduler import FCFS, Policy, QueueFull, Request, RequestQueue
+
+__all__ = ["Batcher", "Event", "GenerationRequest", "QueueFull", "ServerClosed"]
+
+
+class ServerClosed(Exception):
+    """The batcher is draining or stopped and takes no new requests."""
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    prompt: list[int]  # token ids, BOS first
+    params: RequestParams
+    stop: tuple[str, ...] = ()  # stop strings: the reply ends before the first one
+    priority: int = 0
+    predicted: dict[str, float] = dataclasses.field(default_factory=dict)  # for SJF policies
+    id: str = ""
+
+
+@dataclasses.dataclass
+class Event:
+    """What a sink receives: text deltas, then one final event with ``finish_reason`` set."""
+
+    request_id: str
+    text: str = ""  # new text since the previous event
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # the tokens behind it
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    usage: dict | None = None  # on the final event: prompt/completion tokens, timings
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class _Live:
+    """A request in the batcher: its sink, reply so far and timings."""
+
+    req: GenerationRequest
+    sink: Callable[[Event], None]
+    arrival: float
+    admitted: float = 0.0
+    first_token: float = 0.0
+    model_s: float = 0.0
+    ids: list[int] = dataclasses.field(default_factory=list)  # reply tokens (stop token excluded)
+    generated: int = 0  # tokens the engine produced for it (stop token included)
+    sent: str = ""  # text already sent
+    slot: int = -1
+    steps: int = 0
+    accepted: int = 0
+    finished: bool = False
+
+
+class Stats:
+    """Running totals for /metrics (all updated under the batcher's lock)."""
+
+    def __init__(self):
+        self.requests = {"stop": 0, "length": 0, "cancelled": 0, "error": 0}
+        self.tokens = 0
+        self.model_s = 0.0
+        self.steps = 0
+        self.slot_steps = 0  # occupied slots summed over steps
+        self.accepted = 0  # speculative: accepted draft tokens
+        self.ttft_sum = 0.0
+        self.ttft_count = 0
+        self.ttft_buckets = {b: 0 for b in (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, float("inf"))}
+        self.e2e_sum = 0.0
+        self.e2e_count = 0
+        self.rejected = 0  # 429s
+        self.started = time.monotonic()
+
+    def observe_ttft(self, s: float) -> None:
+        self.ttft_sum += s
+        self.ttft_count += 1
+        for b in self.ttft_buckets:
+            if s <= b:
+                self.ttft_buckets[b] += 1
+
+
+class Batcher:
+    """Continuous batching over `engine` (see the module docstring).
+
+    policy: a `relf_jax.serving.scheduler` policy (default FCFS); max_queue: the queue bound
+    (None: unbounded); cost_fn: ``prompt ids -> dict`` of predictions a policy ranks by (e.g.
+    ``{"dws_cost": seconds}``), called at submit for requests that carry none.
+    """
+
+    def __init__(self, engine: Engine, policy: Policy | None = None, *, max_queue: int | None = 256,
+                 cost_fn: Callable[[Sequence[int]], dict[str, float]] | None = None, idle_wait_s: float = 0.05):
+        self.engine = engine
+        self.queue = RequestQueue(policy or FCFS(), max_size=max_queue)
+        self.cost_fn = cost_fn
+        self.idle_wait_s = idle_wait_s
+        self.stats = Stats()
+        self._lock = threading.Condition()
+        self._live: dict[str, _Live] = {}
+        self._slots: list[str | None] = [None] * engine.num_slots
+        self._cancel: set[str] = set()
+        self._ids = itertools.count()
+        self._state: Any = None
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._stopped = False
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------------ public API
+
+    def start(self) -> "Batcher":
+        if self._thread is None:
+            self._state = self.engine.init_state()
+            self._thread = threading.Thread(target=self._run, name=f"batcher-{self.engine.name}", daemon=True)
+            self._thread.start()
+        return self
+
+    def submit(self, req: GenerationRequest, sink: Callable[[Event], None]) -> str:
+        """Queue `req`; `sink` gets its events. Raises QueueFull, ServerClosed or UserError."""
+        self.engine.check_request(len(req.prompt), req.params.max_tokens)
+        if not req.predicted and self.cost_fn is not None:
+            req.predicted = dict(self.cost_fn(req.prompt))
+        with self._lock:
+            if self._closing:
+                raise ServerClosed("the server is shutting down")
+            if not req.id:
+                req.id = f"req-{next(self._ids)}"
+            now = time.monotonic()
+            try:
+                self.queue.push(Request(id=req.id, arrival=now, predicted=req.predicted, priority=req.priority,
+                                        payload=req.id))
+            except QueueFull:
+                self.stats.rejected += 1
+                raise
+            self._live[req.id] = _Live(req=req, sink=sink, arrival=now)
+            self._lock.notify_all()
+        return req.id
+
+    def cancel(self, request_id: str) -> None:
+        """Drop a request (its client went away): it leaves the queue or frees its slot before the next step."""
+        with self._lock:
+            if request_id in self._live:
+                self._cancel.add(request_id)
+                self._lock.notify_all()
+
+    def queue_length(self) -> int:
+        with self._lock:
+            return len(self.queue)
+
+    def active(self) -> int:
+        with self._lock:
+            return sum(s is not None for s in self._slots)
+
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._live)
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Refuse new requests; with `drain`, finish the queued and running ones first; end the thread."""
+        with self._lock:
+            self._closing = True
+            if not drain:
+                self._cancel.update(self._live)
+            self._lock.notify_all()
+        if self._thread is not None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            with self._lock:
+                while self._live and self._thread.is_alive():
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    self._lock.wait(timeout=0.05 if left is None else min(left, 0.05))
+            with self._lock:
+                self._stopped = True
+                self._lock.notify_all()
+            self._thread.join(timeout=5.0)
+
+    # ------------------------------------------------------------------ the loop
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    self._drop_cancelled()
+                    if self._stopped:
+                        return
+                    idle = not self._live
+                    if idle:
+                        self._lock.wait(timeout=self.idle_wait_s)
+                        continue
+                self._admit()
+                if any(s is not None for s in self._slots):
+                    self._step()
+                else:
+                    with self._lock:
+                        if not len(self.queue):
+                            self._lock.wait(timeout=self.idle_wait_s)
+        except BaseException as e:  # noqa: BLE001 - report to every waiting request, then stop
+            self.error = e
+            with self._lock:
+                for live in list(self._live.values()):
+                    live.slot = -1  # the engine state is not trusted any more: free nothing
+                    self._finish(live, "error", error=f"engine failure: {type(e).__name__}: {e}")
+                self._closing = self._stopped = True
+                self._lock.notify_all()
+
+    def _drop_cancelled(self) -> None:  # under the lock
+        for rid in list(self._cancel):
+            live = self._live.get(rid)
+            self._cancel.discard(rid)
+            if live is None:
+                continue
+            self.queue.remove(rid)
+            self._finish(live, "cancelled")
+
+    def _admit(self) -> None:
+        while True:
+            with self._lock:
+                self._drop_cancelled()
+                free = [i for i, s in enumerate(self._slots) if s is None]
+                if not free or not len(self.queue):
+                    return
+                rid = self.queue.pop(time.monotonic()).payload
+                live = self._live[rid]
+                live.admitted = time.monotonic()
+                slot = free[0]
+                self._slots[slot] = rid
+                live.slot = slot
+            prefix = self.engine.prefill(live.req.prompt, live.req.params)
+            self._state = self.engine.insert(prefix, self._state, slot)
+            with self._lock:
+                live.model_s += prefix.model_s
+                self.stats.model_s += prefix.model_s
+                if self._take(live, prefix.tokens, prefix.done):
+                    self._release(live)
+
+    def _step(self) -> None:
+        self._state, out = self.engine.generate(self._state)
+        with self._lock:
+            self.stats.steps += 1
+            self.stats.model_s += out.model_s
+            for slot, rid in enumerate(self._slots):
+                if rid is None:
+                    continue
+                live = self._live.get(rid)
+                if live is None:
+                    continue
+                self.stats.slot_steps += 1
+                live.steps += 1
+                live.model_s += out.model_s
+                if out.accepted is not None:
+                    live.accepted += out.accepted[slot]
+                    self.stats.accepted += out.accepted[slot]
+                if self._take(live, out.tokens[slot], out.done[slot]):
+                    self._release(live)
+
+    def _release(self, live: _Live) -> None:  # under the lock
+        if live.slot >= 0 and self._slots[live.slot] == live.req.id:
+            self._state = self.engine.free(self._state, live.slot)
+            self._slots[live.slot] = None
+        live.slot = -1
+
+    def _take(self, live: _Live, tokens: Sequence[int], engine_done: bool) -> bool:  # under the lock
+        """Add new tokens to a request; send text; True when the request is finished."""
+        if live.finished:
+            return True
+        if tokens and not live.first_token:
+            live.first_token = time.monotonic()
+            self.stats.observe_ttft(live.first_token - live.arrival)
+        tok = self.engine.tokenizer
+        finish = None
+        new_ids = []
+        for t in tokens:
+            live.generated += 1
+            self.stats.tokens += 1
+            if t in self.engine.stop_ids:
+                finish = "stop"
+                break
+            live.ids.append(int(t))
+            new_ids.append(int(t))
+            if len(live.ids) >= live.req.params.max_tokens:
+                finish = "length"
+                break
+        if finish is None and engine_done:
+            finish = "length"  # the engine ran out of context without a stop token
+        text = tok.decode(live.ids)
+        stop_at = -1
+        for s in live.req.stop:
+            i = text.find(s, max(0, len(live.sent) - len(s)))
+            if i >= 0 and (stop_at < 0 or i < stop_at):
+                stop_at = i
+        if stop_at >= 0:
+            text, finish = text[:stop_at], "stop"
+        elif finish is None:
+            text = text[:len(text) - _holdback(text, live.req.stop)]
+        delta = text[len(live.sent):] if text.startswith(live.sent) else ""
+        if delta:
+            live.sent += delta
+            live.sink(Event(request_id=live.req.id, text=delta, token_ids=new_ids))
+        if finish is not None:
+            self._finish(live, finish)
+            return True
+        return False
+
+    def _finish(self, live: _Live, reason: str, error: str | None = None) -> None:  # under the lock
+        if live.finished:
+            return
+        live.finished = True
+        self._release(live)
+        self._live.pop(live.req.id, None)
+        self.stats.requests[reason] = self.stats.requests.get(reason, 0) + 1
+        end = time.monotonic()
+        if reason in ("stop", "length"):
+            self.stats.e2e_sum += end - live.arrival
+            self.stats.e2e_count += 1
+        usage = {"prompt_tokens": len(live.req.prompt), "completion_tokens": live.generated,
+                 "total_tokens": len(live.req.prompt) + live.generated,
+                 "queue_s": (live.admitted or end) - live.arrival,
+                 "ttft_s": (live.first_token - live.arrival) if live.first_token else None,
+                 "e2e_s": end - live.arrival, "model_s": live.model_s, "steps": live.steps,
+                 "accepted": live.accepted}
+        try:
+            live.sink(Event(request_id=live.req.id, finish_reason=reason, usage=usage, error=error))
+        finally:
+            self._lock.notify_all()
+
+
+def _holdback(text: str, stops: Sequence[str]) -> int:
+    """Characters at the end of `text` to hold back: a possible stop-string start or a partial character."""
+    n = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                n = max(n, k)
+                break
+    if text.endswith("\ufffd"):
+        n = max(n, len(text) - len(text.rstrip("\ufffd")))
+    return n

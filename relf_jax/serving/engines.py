@@ -1,0 +1,683 @@
+"""Engines: one slot-based interface over every relf_jax generator, for continuous batching.
+
+The interface has the shape of JetStream's: an engine owns a decode state with a fixed number
+of *slots*; a request is run through `prefill` on its own, its result is put into a free slot
+with `insert`, and every `generate` call advances all occupied slots by one step. Requests
+join and leave between steps (`relf_jax.serving.batching`); a slot whose request finished or
+was cancelled is released with `free` and may be reused at once.
+
+- `AREngine`: one token per step (the sampler of `relf_jax.sampling.autoregressive`).
+- `SpeculativeEngine`: one draft/verify round per step, 1..k+1 tokens (the round of
+  `relf_jax.speculative.generate`; standard / NSD / greedy rule, draft model or prompt lookup).
+- `BlockDiffusionEngine`: one committed block per step (confidence-threshold decoding of
+  `relf_jax.dws.decoding`).
+- `ReLFEngine`: the whole reply at once (the flow sampler of `relf_jax.flow.samplers`, with the
+  prompt's positions held on their embeddings), in one step.
+- `MockEngine`: no model; echoes the last user turn one token per step, optionally sleeping a
+  fixed time per step. Its outputs are known by hand, for scheduler and server tests.
+
+The model engines reuse the samplers' own prefill and step functions, vmapped over slots: each
+slot holds the sampler's state for a batch of one, so per-request settings (temperature,
+top-p, seed) are traced per slot, a slot's tokens do not depend on what the other slots hold,
+and the same seed gives the same reply whatever the batch. Every slot's buffers span the
+model's whole context, so prefixes of any prompt bucket fit any slot; the prompt is padded to a
+power-of-two bucket (one compilation of prefill per bucket, one of `generate` per engine).
+Token decisions run in float32 (the samplers' rule).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from relf_jax.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestParams:
+    """Per-request generation settings (traced per slot: changing them does not recompile)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise UserError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
+            raise UserError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass
+class Prefix:
+    """The result of `Engine.prefill` for one request: what `insert` puts into a slot."""
+
+    data: Any  # engine-specific device arrays
+    tokens: list[int]  # tokens already decided by the prefill (AR and speculative: the first one)
+    done: bool  # the prefill already finished the request (e.g. its first token is EOS)
+    model_s: float = 0.0  # seconds spent in the prefill
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What one `Engine.generate` call produced, per slot (free slots: empty, not done)."""
+
+    tokens: list[list[int]]  # new tokens per slot, in order (a stop token included when decided)
+    done: list[bool]  # the engine finished the slot (stop token or context end)
+    model_s: float  # seconds in the jitted step (ends with the device-to-host copy)
+    accepted: list[int] | None = None  # speculative: draft tokens accepted per slot this step
+
+
+class Engine(abc.ABC):
+    """Slot-based generator. Subclasses set the attributes below in ``__init__``."""
+
+    name: str
+    num_slots: int
+    max_context: int  # prompt + reply tokens one slot can hold
+    tokenizer: Any
+    stop_ids: tuple[int, ...]  # token ids that end a reply (EOS, the next turn's <user> marker)
+    tokens_per_step: int = 1  # the most tokens one step can add to a slot
+
+    @abc.abstractmethod
+    def init_state(self) -> Any:
+        """A decode state with every slot free."""
+
+    @abc.abstractmethod
+    def prefill(self, prompt: Sequence[int], params: RequestParams) -> Prefix:
+        """Process one prompt (token ids, BOS first) on its own."""
+
+    @abc.abstractmethod
+    def insert(self, prefix: Prefix, state: Any, slot: int) -> Any:
+        """Put a prefilled request into `slot` of `state`; returns the new state."""
+
+    @abc.abstractmethod
+    def generate(self, state: Any) -> tuple[Any, StepOutput]:
+        """Advance every occupied slot by one step."""
+
+    @abc.abstractmethod
+    def free(self, state: Any, slot: int) -> Any:
+        """Release `slot` (its request finished or was cancelled); returns the new state."""
+
+    def reserve(self) -> int:
+        """Context positions a request needs beyond prompt + max_tokens (speculative: k + 1)."""
+        return 0
+
+    def check_request(self, prompt_len: int, max_tokens: int) -> None:
+        """UserError when a prompt of `prompt_len` tokens plus `max_tokens` cannot fit a slot."""
+        if prompt_len < 1:
+            raise UserError("the prompt needs at least one token (BOS)")
+        room = self.max_context - self.reserve()
+        if prompt_len + max_tokens > room:
+            raise UserError(f"prompt of {prompt_len} tokens + max_tokens={max_tokens} exceeds the model "
+                            f"context of {room} tokens")
+
+    def warmup(self, prompt_lengths: Sequence[int] = (8,)) -> None:
+        """Compile prefill for the buckets of `prompt_lengths`, and insert/generate/free, off the clock."""
+        state = self.init_state()
+        bos = getattr(self.tokenizer, "bos_id", 2)
+        for n in prompt_lengths:
+            n = max(1, min(n, self.max_context - self.reserve() - 1))
+            prefix = self.prefill([bos] * n, RequestParams(max_tokens=1, temperature=0.0))
+            state = self.insert(prefix, state, 0)
+        state, _ = self.generate(state)
+        self.free(state, 0)
+
+
+def stop_ids_for(tok) -> tuple[int, ...]:
+    """EOS, plus the ``<user>`` marker (the next turn) when the tokenizer has it as one token."""
+    stops = [tok.eos_id]
+    try:
+        user = tok.piece_to_id("<user>")
+    except Exception:  # noqa: BLE001 - a tokenizer without the marker
+        user = None
+    if user is not None and user >= 0 and user not in (getattr(tok, "unk_id", -1), tok.eos_id, tok.pad_id):
+        stops.append(int(user))
+    return tuple(stops)
+
+
+def bucket_for(length: int, limit: int, minimum: int = 8) -> int:
+    """Power-of-two padding for a prompt of `length` tokens, capped at `limit`."""
+    b = minimum
+    while b < length:
+        b *= 2
+    return max(length, min(b, limit))
+
+
+def _set_slot(state, new, slot):
+    return jax.tree.map(lambda s, n: s.at[slot].set(n.astype(s.dtype)), state, new)
+
+
+def _stack_slots(tree, n: int):
+    return jax.tree.map(lambda x: jnp.broadcast_to(jnp.asarray(x)[None], (n,) + jnp.shape(x)).copy(), tree)
+
+
+def _key_data(seed: int):
+    return jax.random.key_data(jax.random.key(seed))
+
+
+@flax.struct.dataclass
+class _Slot:
+    """Per-slot sampler state (a batch of one) and its traced sampling settings."""
+
+    state: Any
+    sampling: Any
+
+
+# ------------------------------------------------------------------------------ autoregressive
+
+class AREngine(Engine):
+    """One token per step per slot, with `relf_jax.sampling.autoregressive`'s prefill and step."""
+
+    def __init__(self, lm, num_slots: int = 8, *, top_k: int = 0, name: str = "ar"):
+        from relf_jax.sampling import autoregressive as ar
+
+        if num_slots < 1:
+            raise UserError(f"num_slots must be >= 1, got {num_slots}")
+        self._ar = ar
+        self.lm, self.name, self.num_slots, self.top_k = lm, name, num_slots, top_k
+        self.tokenizer = lm.tokenizer
+        self.max_context = lm.model_cfg.max_seq_len
+        self.stop_ids = stop_ids_for(lm.tokenizer)
+        # the step never stops a slot on length (the server does, per request)
+        self._step_settings = ar.DecodeSettings(max_new_tokens=self.max_context, eos_id=lm.tokenizer.eos_id,
+                                                pad_id=lm.tokenizer.pad_id)
+        self._jit_step = jax.jit(self._step_all, donate_argnums=(1,))
+        self._jit_insert = jax.jit(_set_slot, donate_argnums=(0,))
+        self._jit_free = jax.jit(lambda s, slot: dataclasses.replace(
+            s, state=dataclasses.replace(s.state, done=s.state.done.at[slot].set(True))), donate_argnums=(0,))
+
+    def _settings(self, bucket: int):
+        return self._ar.DecodeSettings(max_new_tokens=self.max_context - bucket, eos_id=self.tokenizer.eos_id,
+                                       pad_id=self.tokenizer.pad_id)
+
+    def _sampling(self, p: RequestParams):
+        return self._ar.SamplingParams(jnp.float32(p.temperature), jnp.int32(self.top_k), jnp.float32(p.top_p))
+
+    def init_state(self):
+        prefix = self.prefill([self.tokenizer.bos_id], RequestParams(max_tokens=1, temperature=0.0))
+        state = _stack_slots(prefix.data, self.num_slots)
+        return self._jit_free_all(state)
+
+    def _jit_free_all(self, state):
+        for slot in range(self.num_slots):
+            state = self._jit_free(state, slot)
+        return state
+
+    def prefill(self, prompt, params):
+        ar = self._ar
+        bucket = bucket_for(len(prompt), self.max_context - 1)
+        arr, lens = ar.pad_prompts([list(prompt)], self.tokenizer.pad_id, bucket)
+        t0 = time.perf_counter()
+        st = ar.prefill(self.lm.graphdef, self.lm.params, arr, lens, jax.random.key(params.seed),
+                        self._sampling(params), self._settings(bucket))
+        first = int(st.tokens[0, len(prompt)])
+        done = bool(st.done[0])
+        model_s = time.perf_counter() - t0
+        data = _Slot(state=st, sampling=self._sampling(params))
+        return Prefix(data=data, tokens=[first], done=done or first in self.stop_ids, model_s=model_s)
+
+    def insert(self, prefix, state, slot):
+        return self._jit_insert(state, prefix.data, slot)
+
+    def free(self, state, slot):
+        return self._jit_free(state, slot)
+
+    def _step_all(self, params, slots: "_Slot"):
+        ar, settings = self._ar, self._step_settings
+
+        def one(st, sp):
+            return ar._step(self.lm.graphdef, params, st, sp, settings)
+
+        new = jax.vmap(one)(slots.state, slots.sampling)
+        emitted = new.lengths[:, 0] > slots.state.lengths[:, 0]
+        last = jnp.take_along_axis(new.tokens[:, 0], (new.lengths[:, 0] - 1)[:, None], axis=1)[:, 0]
+        full = new.lengths[:, 0] >= self.max_context
+        return dataclasses.replace(slots, state=new), last, emitted, new.done[:, 0] | full
+
+    def generate(self, state):
+        t0 = time.perf_counter()
+        state, last, emitted, done = self._jit_step(self.lm.params, state)
+        last, emitted, done = jax.device_get((last, emitted, done))
+        model_s = time.perf_counter() - t0
+        toks = [[int(t)] if e else [] for t, e in zip(last, emitted)]
+        return state, StepOutput(tokens=toks, done=[bool(d) and bool(e) for d, e in zip(done, emitted)],
+                                 model_s=model_s)
+
+
+
+# ------------------------------------------------------------------------------ speculative
+
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "draft_graphdef", "settings"))
+def _spec_prefill(target_graphdef, target_params, draft_graphdef, draft_params, prompts, lengths, key, sp,
+                  settings):
+    from relf_jax.speculative import generate as spec
+
+    return spec._prefill(target_graphdef, target_params, draft_graphdef, draft_params, prompts, lengths, key,
+                         sp, settings)
+
+
+class SpeculativeEngine(Engine):
+    """One draft/verify round per step per slot (`relf_jax.speculative.generate`'s round).
+
+    rule: "standard" (exact), "nsd" (nucleus relaxation, `nsd_top_p`) or "greedy"; proposer:
+    "draft" (needs `draft`, a loaded AR model with the same tokenizer) or "prompt_lookup".
+    """
+
+    def __init__(self, lm, draft=None, num_slots: int = 8, *, rule: str = "nsd", k: int = 4,
+                 proposer: str = "draft", nsd_top_p: float = 0.9, ngram: int = 3, name: str | None = None):
+        from relf_jax.speculative import generate as spec
+
+        if num_slots < 1:
+            raise UserError(f"num_slots must be >= 1, got {num_slots}")
+        if proposer == "draft" and draft is None:
+            raise UserError("the speculative engine with proposer 'draft' needs a draft model")
+        self._spec = spec
+        self.lm, self.draft, self.num_slots = lm, (draft if proposer == "draft" else None), num_slots
+        self.rule, self.k, self.proposer, self.nsd_top_p, self.ngram = rule, k, proposer, nsd_top_p, ngram
+        self.name = name or f"spec-{rule}"
+        self.tokenizer = lm.tokenizer
+        self.max_context = lm.model_cfg.max_seq_len
+        if self.draft is not None:
+            self.max_context = min(self.max_context, self.draft.model_cfg.max_seq_len)
+        self.stop_ids = stop_ids_for(lm.tokenizer)
+        self.tokens_per_step = k + 1
+        self._step_settings = self._settings(self.max_context)
+        self._jit_step = jax.jit(self._step_all, donate_argnums=(2,))
+        self._jit_insert = jax.jit(_set_slot, donate_argnums=(0,))
+        self._jit_free = jax.jit(lambda s, slot: dataclasses.replace(
+            s, state=dataclasses.replace(s.state, done=s.state.done.at[slot].set(True))), donate_argnums=(0,))
+
+    def _settings(self, max_new_tokens: int):
+        tok = self.tokenizer
+        return self._spec.SpecSettings(k=self.k, rule=self.rule, proposer=self.proposer,
+                                       max_new_tokens=max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                                       ngram=self.ngram)
+
+    def reserve(self) -> int:
+        return self.k + 1
+
+    def _params(self, p: RequestParams):
+        return self._spec.SpecParams(jnp.float32(p.temperature), jnp.float32(p.top_p), jnp.float32(self.nsd_top_p))
+
+    def _draft_parts(self):
+        return (self.draft.graphdef, self.draft.params) if self.draft is not None else (None, None)
+
+    def init_state(self):
+        prefix = self.prefill([self.tokenizer.bos_id], RequestParams(max_tokens=1, temperature=0.0))
+        state = _stack_slots(prefix.data, self.num_slots)
+        for slot in range(self.num_slots):
+            state = self._jit_free(state, slot)
+        return state
+
+    def prefill(self, prompt, params):
+        from relf_jax.sampling import autoregressive as ar
+
+        bucket = bucket_for(len(prompt), self.max_context - self.reserve() - 1)
+        arr, lens = ar.pad_prompts([list(prompt)], self.tokenizer.pad_id, bucket)
+        dg, dp = self._draft_parts()
+        t0 = time.perf_counter()
+        st = _spec_prefill(self.lm.graphdef, self.lm.params, dg, dp, arr, lens, jax.random.key(params.seed),
+                           self._params(params), self._settings(self.max_context - bucket - self.k - 1))
+        first = int(st.tokens[0, len(prompt)])
+        done = bool(st.done[0])
+        model_s = time.perf_counter() - t0
+        return Prefix(data=_Slot(state=st, sampling=self._params(params)), tokens=[first],
+                      done=done or first in self.stop_ids, model_s=model_s)
+
+    def insert(self, prefix, state, slot):
+        return self._jit_insert(state, prefix.data, slot)
+
+    def free(self, state, slot):
+        return self._jit_free(state, slot)
+
+    def _step_all(self, target_params, draft_params, slots: _Slot):
+        spec, settings = self._spec, self._step_settings
+        dg = self.draft.graphdef if self.draft is not None else None
+
+        def one(st, sp):
+            return spec._round(self.lm.graphdef, target_params, dg, draft_params, st, sp, settings)
+
+        old = slots.state
+        new = jax.vmap(one)(old, slots.sampling)
+        start, count = old.lengths[:, 0], new.lengths[:, 0] - old.lengths[:, 0]
+        window = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (self.k + 1,)))(
+            new.tokens[:, 0], jnp.minimum(start, new.tokens.shape[-1] - self.k - 1))
+        accepted = new.accepted[:, 0] - old.accepted[:, 0]
+        full = new.lengths[:, 0] + self.k + 1 > self.max_context
+        return dataclasses.replace(slots, state=new), window, count, new.done[:, 0] | full, accepted
+
+    def generate(self, state):
+        t0 = time.perf_counter()
+        dp = self.draft.params if self.draft is not None else None
+        state, window, count, done, accepted = self._jit_step(self.lm.params, dp, state)
+        window, count, done, accepted = jax.device_get((window, count, done, accepted))
+        model_s = time.perf_counter() - t0
+        toks = [window[i, :count[i]].tolist() for i in range(self.num_slots)]
+        return state, StepOutput(tokens=toks, done=[bool(d) and c > 0 for d, c in zip(done, count)],
+                                 model_s=model_s, accepted=[int(a) for a in accepted])
+
+
+# ------------------------------------------------------------------------------ block diffusion
+
+@flax.struct.dataclass
+class _BDSlot:
+    canvas: jax.Array  # [1, C]
+    cache: Any  # per layer (k, v) [1, heads, C, hd]
+    prompt_len: jax.Array  # [1]
+    blocks: jax.Array  # [] output blocks decoded
+    done: jax.Array  # [1]
+    key: jax.Array  # [2] uint32 key data
+    temperature: jax.Array  # []
+
+
+class BlockDiffusionEngine(Engine):
+    """One committed block per step per slot (`relf_jax.dws.decoding`'s confidence-threshold rule).
+
+    Each step runs, for every occupied slot in lockstep, the denoising steps its current block
+    needs (a slot whose block is done idles until the others finish theirs), then the refresh
+    forward; the step's output is each slot's committed block. Temperature 0 is greedy; > 0
+    samples tokens (Gumbel-max) per slot. `top_p` does not apply.
+    """
+
+    def __init__(self, lm, num_slots: int = 8, *, threshold: float = 0.95, name: str = "bd"):
+        from relf_jax.dws import decoding as bdd
+        from relf_jax.models.block_diffusion import mask_id
+
+        if lm.model_cfg.family != "bd":
+            raise UserError(f"the block-diffusion engine needs a 'bd' model, got {lm.model_cfg.family!r}")
+        self._bdd = bdd
+        self.lm, self.num_slots, self.name = lm, num_slots, name
+        self.tokenizer = lm.tokenizer
+        d = lm.model_cfg.block_size
+        self.block_size = d
+        self.max_context = (lm.model_cfg.max_seq_len // d) * d
+        self.stop_ids = stop_ids_for(lm.tokenizer)
+        self.tokens_per_step = d
+        self.settings = bdd.BlockDecodeSettings(block_size=d, max_blocks=1, mask_id=mask_id(lm.model_cfg),
+                                                pad_id=lm.tokenizer.pad_id, stop_ids=self.stop_ids,
+                                                threshold=threshold)
+        self._jit_step = jax.jit(self._step_all, donate_argnums=(1,))
+        self._jit_insert = jax.jit(_set_slot, donate_argnums=(0,))
+        self._jit_free = jax.jit(lambda s, slot: s.replace(done=s.done.at[slot].set(True)), donate_argnums=(0,))
+
+    def reserve(self) -> int:
+        return self.block_size  # the last block may run past max_tokens
+
+    def init_state(self):
+        state = _stack_slots(self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data, self.num_slots)
+        for slot in range(self.num_slots):
+            state = self._jit_free(state, slot)
+        return state
+
+    def prefill(self, prompt, params):
+        bdd, d = self._bdd, self.block_size
+        pb = bucket_for(bdd.prompt_bucket(len(prompt), d), self.max_context - d)
+        pb = -(-pb // d) * d
+        arr, plen = bdd.pad_prompts([list(prompt)], self.tokenizer.pad_id, d, pb)
+        t0 = time.perf_counter()
+        cache = bdd._prefill_jit(self.lm.graphdef, self.lm.params, jnp.asarray(arr), jnp.asarray(plen),
+                                 canvas_len=self.max_context, settings=self.settings)
+        canvas = bdd._canvas(jnp.asarray(arr), self.max_context, self.tokenizer.pad_id)
+        jax.block_until_ready(cache)
+        data = _BDSlot(canvas=canvas, cache=cache, prompt_len=jnp.asarray(plen), blocks=jnp.int32(0),
+                       done=jnp.zeros((1,), bool), key=_key_data(params.seed),
+                       temperature=jnp.float32(params.temperature))
+        return Prefix(data=data, tokens=[], done=False, model_s=time.perf_counter() - t0)
+
+    def insert(self, prefix, state, slot):
+        return self._jit_insert(state, prefix.data, slot)
+
+    def free(self, state, slot):
+        return self._jit_free(state, slot)
+
+    def _step_all(self, params, slots: _BDSlot):
+        bdd, settings, d = self._bdd, self.settings, self.block_size
+        model = nnx.merge(self.lm.graphdef, params)
+
+        def one(sl: _BDSlot):
+            active = ~sl.done
+            start = bdd._block_start(sl.prompt_len, sl.blocks, settings)
+            block, is_masked = bdd._open_block(sl.canvas, sl.prompt_len, start, settings)
+            is_masked &= active[:, None]
+
+            def body(c):
+                cache, block, is_masked, key = c
+                key, sub = jax.random.split(key)
+                logits, cache = bdd._forward(model, cache, block, start, settings)
+                commit, toks = bdd.confidence_commit(logits, is_masked, settings.threshold,
+                                                     temperature=sl.temperature, key=sub)
+                return cache, jnp.where(commit, toks, block), is_masked & ~commit, key
+
+            key = jax.random.wrap_key_data(sl.key)
+            cache, block, _, key = jax.lax.while_loop(lambda c: c[2].any(), body,
+                                                      (sl.cache, block, is_masked, key))
+            _, cache = bdd._forward(model, cache, block, start, settings)
+            canvas, stop_pos = bdd._close_block(sl.canvas, block, start, sl.prompt_len, active, settings)
+            lo = jnp.maximum(start, sl.prompt_len) - start
+            hi = jnp.where(stop_pos >= 0, stop_pos + 1 - start, d)
+            full = start + 2 * d > self.max_context
+            done = sl.done | (active & ((stop_pos >= 0) | full))
+            new = _BDSlot(canvas=canvas, cache=cache, prompt_len=sl.prompt_len,
+                          blocks=sl.blocks + active[0].astype(jnp.int32), done=done,
+                          key=jax.random.key_data(key), temperature=sl.temperature)
+            return new, block[0], jnp.where(active, lo, 0)[0], jnp.where(active, hi, 0)[0], (active & done)[0]
+
+        return jax.vmap(one)(slots)
+
+    def generate(self, state):
+        t0 = time.perf_counter()
+        state, blocks, lo, hi, done = self._jit_step(self.lm.params, state)
+        blocks, lo, hi, done = jax.device_get((blocks, lo, hi, done))
+        model_s = time.perf_counter() - t0
+        toks = [blocks[i, lo[i]:hi[i]].tolist() for i in range(self.num_slots)]
+        return state, StepOutput(tokens=toks, done=[bool(x) for x in done], model_s=model_s)
+
+
+# ------------------------------------------------------------------------------ ReLF
+
+@flax.struct.dataclass
+class _FlowSlot:
+    tokens: jax.Array  # [L] the prompt, then pad
+    prompt_len: jax.Array  # []
+    key: jax.Array  # [2] uint32 key data
+    active: jax.Array  # [] bool
+
+
+class ReLFEngine(Engine):
+    """The whole reply in one step: the ReLF flow sampler over the model's full length.
+
+    The prompt's positions are held on the path of their token embeddings (at time t the state
+    there is ``t * e + (1 - t) * z0``, the interpolant the model was trained on), so the flow
+    fills in the rest conditioned on them; the reply is what follows the prompt up to the first
+    stop token. `nfe` network calls per reply; temperature and top_p do not apply (the sampler's
+    own noise, seeded per request, makes the choice).
+    """
+
+    def __init__(self, lm, num_slots: int = 8, *, nfe: int | None = None, name: str = "relf"):
+        from relf_jax.flow.samplers import FlowSamplerSettings
+        from relf_jax.workflows import flow_table
+
+        if lm.model_cfg.family != "relf":
+            raise UserError(f"the ReLF engine needs a 'relf' model, got {lm.model_cfg.family!r}")
+        f = lm.cfg.flow
+        self.lm, self.num_slots, self.name = lm, num_slots, name
+        self.flow_settings = FlowSamplerSettings(nfe=nfe or f.nfe, grid=f.grid, sampler=f.sampler,
+                                                 c=f.residual_bound, guidance=f.guidance,
+                                                 use_singular=f.use_singular, t_eps=f.t_eps, gamma=f.gamma,
+                                                 renoise=f.renoise)
+        self.table = jnp.asarray(flow_table(lm), jnp.float32)
+        self.tokenizer = lm.tokenizer
+        self.length = lm.cfg.data.seq_len
+        self.max_context = self.length
+        self.stop_ids = stop_ids_for(lm.tokenizer)
+        self.tokens_per_step = self.length
+        self._jit_step = jax.jit(self._step_all, donate_argnums=(1,))
+        self._jit_insert = jax.jit(_set_slot, donate_argnums=(0,))
+        self._jit_free = jax.jit(lambda s, slot: s.replace(active=s.active.at[slot].set(False)),
+                                 donate_argnums=(0,))
+
+    def init_state(self):
+        one = self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data
+        return _stack_slots(one.replace(active=jnp.bool_(False)), self.num_slots)
+
+    def prefill(self, prompt, params):
+        row = np.full((self.length,), self.tokenizer.pad_id, np.int32)
+        row[:len(prompt)] = prompt
+        data = _FlowSlot(tokens=jnp.asarray(row), prompt_len=jnp.int32(len(prompt)), key=_key_data(params.seed),
+                         active=jnp.bool_(True))
+        return Prefix(data=data, tokens=[], done=False)
+
+    def insert(self, prefix, state, slot):
+        return self._jit_insert(state, prefix.data, slot)
+
+    def free(self, state, slot):
+        return self._jit_free(state, slot)
+
+    def _step_all(self, params, slots: _FlowSlot):
+        from relf_jax.flow.samplers import sample as flow_sample
+
+        graphdef, table, settings = self.lm.graphdef, self.table, self.flow_settings
+
+        def residual(z, t, sc):
+            return nnx.merge(graphdef, params)(z, sc, t)
+
+        def one(sl: _FlowSlot):
+            known = jnp.arange(self.length) < sl.prompt_len
+            toks, _ = flow_sample(jax.random.wrap_key_data(sl.key), residual, table, settings, batch=1,
+                                  length=self.length, known=(known[None], table[sl.tokens][None]))
+            return jnp.where(known, sl.tokens, toks[0])
+
+        out = jax.vmap(one)(slots)
+        return slots.replace(active=jnp.zeros_like(slots.active)), out, slots.active
+
+    def generate(self, state):
+        t0 = time.perf_counter()
+        plen = np.asarray(state.prompt_len)
+        state, out, active = self._jit_step(self.lm.params, state)
+        out, active = jax.device_get((out, active))
+        model_s = time.perf_counter() - t0
+        toks, done = [], []
+        for i in range(self.num_slots):
+            if not active[i]:
+                toks.append([]), done.append(False)
+                continue
+            reply = []
+            for t in out[i, plen[i]:].tolist():
+                if t in (self.tokenizer.pad_id, self.tokenizer.bos_id):
+                    continue
+                reply.append(t)
+                if t in self.stop_ids:
+                    break
+            toks.append(reply), done.append(True)
+        return state, StepOutput(tokens=toks, done=done, model_s=model_s)
+
+
+# ------------------------------------------------------------------------------ mock
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens, for the mock engine: pad 0, eos 1, bos 2, unk 3, ``<user>`` 4,
+    ``<assistant>`` 5, byte b -> 6 + b."""
+
+    pad_id, eos_id, bos_id, unk_id = 0, 1, 2, 3
+    MARKERS = {"<user>": 4, "<assistant>": 5}
+    vocab_size = 6 + 256
+
+    def encode(self, text: str) -> list[int]:
+        out: list[int] = []
+        rest = text
+        while rest:
+            hits = [(rest.find(m), m) for m in self.MARKERS if m in rest]
+            if not hits:
+                out += [6 + b for b in rest.encode("utf-8")]
+                break
+            i, m = min(hits)
+            out += [6 + b for b in rest[:i].encode("utf-8")] + [self.MARKERS[m]]
+            rest = rest[i + len(m):]
+        return out
+
+    def decode(self, ids) -> str:
+        names = {v: k for k, v in self.MARKERS.items()}
+        parts, buf = [], bytearray()
+        for i in ids:
+            i = int(i)
+            if i == self.eos_id:
+                break
+            if i >= 6:
+                buf.append(i - 6)
+            elif i in names:
+                parts.append(buf.decode("utf-8", "replace") + names[i])
+                buf = bytearray()
+        return "".join(parts) + buf.decode("utf-8", "replace")
+
+    def piece_to_id(self, piece: str) -> int:
+        return self.MARKERS.get(piece, self.unk_id)
+
+
+class MockEngine(Engine):
+    """No model: the reply is the last user turn of the prompt (between the last ``<user>`` and
+    the ``<assistant>`` after it, spaces trimmed), one token per step, then EOS, or the prompt's
+    bytes after BOS when it has no ``<user>``. Each step sleeps `step_s` seconds (simulated
+    model time, counted as model time), so tests can hold requests in slots for a known time.
+    """
+
+    def __init__(self, num_slots: int = 4, *, step_s: float = 0.0, max_context: int = 512, name: str = "mock"):
+        self.name, self.num_slots, self.step_s, self.max_context = name, num_slots, step_s, max_context
+        self.tokenizer = ByteTokenizer()
+        self.stop_ids = (self.tokenizer.eos_id,)
+
+    def reply_for(self, prompt: Sequence[int]) -> list[int]:
+        """The tokens the mock answers `prompt` with (EOS last)."""
+        ids = [i for i in prompt if i != self.tokenizer.bos_id]
+        user, asst = ByteTokenizer.MARKERS["<user>"], ByteTokenizer.MARKERS["<assistant>"]
+        if user in ids:
+            ids = ids[len(ids) - ids[::-1].index(user):]
+            if asst in ids:
+                ids = ids[:ids.index(asst)]
+        space = 6 + ord(" ")
+        while ids and ids[0] == space:
+            ids = ids[1:]
+        while ids and ids[-1] == space:
+            ids = ids[:-1]
+        return ids + [self.tokenizer.eos_id]
+
+    def init_state(self):
+        return [None] * self.num_slots
+
+    def prefill(self, prompt, params):
+        reply = self.reply_for(prompt)
+        return Prefix(data=reply[1:], tokens=reply[:1], done=len(reply) == 1)
+
+    def insert(self, prefix, state, slot):
+        state = list(state)
+        state[slot] = list(prefix.data)
+        return state
+
+    def free(self, state, slot):
+        state = list(state)
+        state[slot] = None
+        return state
+
+    def generate(self, state):
+        t0 = time.perf_counter()
+        if self.step_s:
+            time.sleep(self.step_s)
+        toks, done, new = [], [], []
+        for rest in state:
+            if not rest:
+                toks.append([]), done.append(False), new.append(None)
+                continue
+            toks.append(rest[:1]), done.append(len(rest) == 1), new.append(rest[1:] or None)
+        return new, StepOutput(tokens=toks, done=done, model_s=time.perf_counter() - t0)

@@ -1,0 +1,454 @@
+"""`relf-jax serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over the engines.
+
+Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming as
+server-sent events of ``chat.completion.chunk`` / ``text_completion`` objects ending with
+``data: [DONE]``, with ``stream_options.include_usage``; or one JSON object), ``GET
+/v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+
+Request fields: model, messages (chat) or prompt (completions), temperature, top_p,
+max_tokens (also ``max_completion_tokens``), stop, seed, stream, stream_options, n (1 only).
+relf_jax extra body fields (the OpenAI client's ``extra_body``):
+
+- ``generator``: which engine of the model answers ("ar", "standard", "nsd", "greedy", "bd",
+  "relf"); default the model's first. ``speculative_k`` and ``nfe`` must match that engine's
+  settings when given (they are fixed when the server starts: ``--k``, ``--nfe``);
+- ``priority``: an int for the priority policy (higher first).
+
+Bad input gets an OpenAI-style error object ``{"error": {"message", "type", "param",
+"code"}}`` with a 4xx status: 400 invalid request (malformed JSON, wrong types, out-of-range
+values, a prompt that does not fit the context), 404 unknown model, 413 body too large, 429
+queue full (with ``Retry-After``), 503 shutting down. A client that disconnects mid-stream is
+cancelled and its slot freed before the next step. On SIGTERM uvicorn stops accepting
+connections, the running requests finish, then the batchers stop.
+"""
+
+
+import asyncio
+import dataclasses
+import json
+import math
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Literal, Optional, Union
+
+from relf_jax.errors import UserError
+from relf_jax.serving.batching import Batcher, Event, GenerationRequest, QueueFull, ServerClosed
+from relf_jax.serving.chat import ChatTemplate, encode_chat
+from relf_jax.serving.engines import Engine, RequestParams
+
+MAX_BODY_BYTES = 1 << 20
+DEFAULT_CHAT_MAX_TOKENS = 64
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+@dataclasses.dataclass
+class ServedEngine:
+    """One engine behind a model id: its batcher, template and fixed settings."""
+
+    engine: Engine
+    batcher: Batcher
+    template: ChatTemplate
+    generator: str
+    settings: dict  # the engine's fixed settings a request may name (k, nfe)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+
+def _error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a request body over `limit` bytes (declared or streamed)."""
+
+    def __init__(self, app, limit: int = MAX_BODY_BYTES):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    too_big = int(value) > self.limit
+                except ValueError:
+                    too_big = False
+                if too_big:
+                    return await self._reject(send)
+        seen = 0
+        started = False
+
+        async def guarded_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge()
+            return message
+
+        async def tracking_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, guarded_receive, tracking_send)
+        except _TooLarge:
+            if not started:
+                await self._reject(send)
+
+    async def _reject(self, send):
+        body = json.dumps(_error_body(f"request body exceeds {self.limit} bytes", "invalid_request_error",
+                                      code="request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1, max_body: int = MAX_BODY_BYTES):
+    """The FastAPI app serving `models` (model id -> its engines; the first is the default)."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from pydantic import BaseModel, ConfigDict, Field
+
+    if not models:
+        raise UserError("the server needs at least one model")
+
+    class Message(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        role: Literal["system", "user", "assistant"]
+        content: Union[str, list[dict[str, Any]]]
+
+    class StreamOptions(BaseModel):
+        include_usage: bool = False
+
+    class Common(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        model: str
+        temperature: Optional[float] = Field(None, ge=0, le=100)
+        top_p: Optional[float] = Field(None, gt=0, le=1)
+        max_tokens: Optional[int] = Field(None, ge=1)
+        stop: Optional[Union[str, list[str]]] = None
+        seed: Optional[int] = Field(None, ge=-(2 ** 63), le=2 ** 63 - 1)
+        stream: bool = False
+        stream_options: Optional[StreamOptions] = None
+        n: int = Field(1, ge=1, le=1)
+        user: Optional[str] = None
+        generator: Optional[str] = None
+        speculative_k: Optional[int] = Field(None, ge=1)
+        nfe: Optional[int] = Field(None, ge=1)
+        priority: int = Field(0, ge=-(2 ** 31), le=2 ** 31 - 1)
+
+    class ChatRequest(Common):
+        messages: list[Message] = Field(..., min_length=1)
+        max_completion_tokens: Optional[int] = Field(None, ge=1)
+
+    class CompletionRequest(Common):
+        prompt: Union[str, list[str]]
+
+    app = FastAPI(title="relf_jax", version="0.1.0",
+                  description="OpenAI-compatible chat and completions over relf_jax generators.")
+    app.state.models = models
+    app.add_middleware(BodyLimit, limit=max_body)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return JSONResponse(_error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status,
+                            headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        msg = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            msg = "request body is not valid JSON"
+        return JSONResponse(_error_body(f"{'.'.join(loc) + ': ' if loc else ''}{msg}", "invalid_request_error",
+                                        param=".".join(loc) or None), status_code=400)
+
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(_error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    def pick(body: Common) -> ServedEngine:
+        served = models.get(body.model)
+        if served is None:
+            raise APIError(404, f"model {body.model!r} does not exist; served: {', '.join(models)}",
+                           type="not_found_error", param="model", code="model_not_found")
+        choice = served
+        if body.generator is not None:
+            choice = [s for s in served if s.generator == body.generator]
+            if not choice:
+                raise APIError(400, f"model {body.model!r} is not served with generator {body.generator!r}; "
+                                    f"served: {', '.join(s.generator for s in served)}", param="generator")
+        for name in ("speculative_k", "nfe"):
+            want = getattr(body, name)
+            if want is None:
+                continue
+            key = {"speculative_k": "k", "nfe": "nfe"}[name]
+            match = [s for s in choice if s.settings.get(key) == want]
+            if not match:
+                have = sorted({s.settings.get(key) for s in choice if key in s.settings})
+                raise APIError(400, f"{name}={want} is not served for model {body.model!r} "
+                                    f"(served: {have or 'none'}; set at server start)", param=name)
+            choice = match
+        return choice[0]
+
+    def params_of(body: Common, max_tokens: Optional[int], default_max: int, served: ServedEngine) -> RequestParams:
+        mt = max_tokens if max_tokens is not None else default_max
+        try:
+            return RequestParams(max_tokens=mt, temperature=1.0 if body.temperature is None else body.temperature,
+                                 top_p=1.0 if body.top_p is None else body.top_p,
+                                 seed=secrets.randbits(31) if body.seed is None else int(body.seed) % (2 ** 31))
+        except UserError as e:
+            raise APIError(400, str(e)) from e
+
+    def stops_of(body: Common) -> tuple[str, ...]:
+        stop = body.stop
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if len(stops) > 4:
+            raise APIError(400, "at most 4 stop sequences", param="stop")
+        if any(not s for s in stops):
+            raise APIError(400, "stop sequences must be non-empty", param="stop")
+        return stops
+
+    def submit(served: ServedEngine, req: GenerationRequest, sink: Callable[[Event], None]) -> str:
+        try:
+            return served.batcher.submit(req, sink)
+        except QueueFull as e:
+            raise APIError(429, "the request queue is full; retry later", type="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": str(retry_after_s)}) from e
+        except ServerClosed as e:
+            raise APIError(503, "the server is shutting down", type="server_error") from e
+        except UserError as e:
+            raise APIError(400, str(e), param="max_tokens") from e
+
+    async def run(request: Request, served: ServedEngine, req: GenerationRequest, *, chat: bool, stream: bool,
+                  include_usage: bool, model: str):
+        loop = asyncio.get_running_loop()
+        events: "asyncio.Queue[Event]" = asyncio.Queue()
+
+        def sink(ev: Event) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        rid = submit(served, req, sink)
+        created = int(time.time())
+        oid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        kind = "chat.completion" if chat else "text_completion"
+
+        def usage_of(ev: Event) -> dict:
+            u = ev.usage or {}
+            return {"prompt_tokens": u.get("prompt_tokens", 0), "completion_tokens": u.get("completion_tokens", 0),
+                    "total_tokens": u.get("total_tokens", 0)}
+
+        def reason(ev: Event) -> str:
+            return "length" if ev.finish_reason == "length" else "stop"
+
+        if not stream:
+            text = []
+            try:
+                while True:
+                    try:
+                        ev = await asyncio.wait_for(events.get(), timeout=0.5)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            return None
+                        continue
+                    text.append(ev.text)
+                    if ev.finish_reason is not None:
+                        break
+            finally:
+                served.batcher.cancel(rid)
+            if ev.finish_reason == "error":
+                raise APIError(500, ev.error or "generation failed", type="server_error")
+            if ev.finish_reason == "cancelled":
+                raise APIError(503, "the request was cancelled (server shutting down)", type="server_error")
+            body = "".join(text)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": body}, "logprobs": None,
+                       "finish_reason": reason(ev)} if chat else
+                      {"index": 0, "text": body, "logprobs": None, "finish_reason": reason(ev)})
+            return JSONResponse({"id": oid, "object": kind, "created": created, "model": model,
+                                 "choices": [choice], "usage": usage_of(ev), "system_fingerprint": None})
+
+        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: Optional[str], finish: Optional[str], first: bool = False) -> str:
+            if chat:
+                d: dict = {}
+                if first:
+                    d["role"] = "assistant"
+                if delta is not None:
+                    d["content"] = delta
+                choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            obj = {"id": oid, "object": chunk_kind, "created": created, "model": model, "choices": [choice]}
+            if include_usage:
+                obj["usage"] = None
+            return f"data: {json.dumps(obj)}\n\n"
+
+        async def sse():
+            try:
+                if chat:
+                    yield chunk("", None, first=True)
+                while True:
+                    ev = await events.get()
+                    if ev.text:
+                        yield chunk(ev.text, None)
+                    if ev.finish_reason is not None:
+                        break
+                if ev.finish_reason in ("error", "cancelled"):
+                    err = _error_body(ev.error or "the request was cancelled", "server_error")
+                    yield f"data: {json.dumps(err)}\n\n"
+                else:
+                    yield chunk(None if chat else "", reason(ev))
+                    if include_usage:
+                        obj = {"id": oid, "object": chunk_kind, "created": created, "model": model,
+                               "choices": [], "usage": usage_of(ev)}
+                        yield f"data: {json.dumps(obj)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:  # the client went away (or we are done): free the slot now
+                served.batcher.cancel(rid)
+
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        served = pick(body)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = params_of(body, max_tokens, DEFAULT_CHAT_MAX_TOKENS, served)
+        try:
+            prompt = encode_chat(served.engine.tokenizer, served.template,
+                                 [m.model_dump() for m in body.messages])
+        except UserError as e:
+            raise APIError(400, str(e), param="messages") from e
+        req = GenerationRequest(prompt=prompt, params=params, stop=stops_of(body), priority=body.priority)
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        out = await run(request, served, req, chat=True, stream=body.stream, include_usage=include, model=body.model)
+        return out if out is not None else JSONResponse({}, status_code=499)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        served = pick(body)
+        prompt = body.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1 or not isinstance(prompt[0], str):
+                raise APIError(400, "prompt must be a string (or a list of one string)", param="prompt")
+            prompt = prompt[0]
+        params = params_of(body, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, served)
+        tok = served.engine.tokenizer
+        req = GenerationRequest(prompt=[tok.bos_id] + tok.encode(prompt), params=params, stop=stops_of(body),
+                                priority=body.priority)
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        out = await run(request, served, req, chat=False, stream=body.stream, include_usage=include,
+                        model=body.model)
+        return out if out is not None else JSONResponse({}, status_code=499)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "relf_jax",
+             "generators": [s.generator for s in served], "context_length": served[0].engine.max_context}
+            for name, served in models.items()]}
+
+    @app.get("/health")
+    async def health():
+        dead = [s.engine.name for served in models.values() for s in served if s.batcher.error is not None]
+        if dead:
+            return JSONResponse({"status": "error", "failed_engines": dead}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
+        return PlainTextResponse(prometheus_text(models), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def prometheus_text(models: dict[str, list[ServedEngine]]) -> str:
+    """Prometheus exposition text: queue length, slots, TTFT, tokens, tokens/s, acceptance length."""
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, doc: str, samples: list[tuple[dict, float]]):
+        lines.append(f"# HELP {name} {doc}")
+        lines.append(f"# TYPE {name} {kind}")
+        for labels, value in samples:
+            lab = ",".join(f'{k}="{v}"' for k, v in labels.items())
+            v = "+Inf" if value == math.inf else repr(float(value))
+            lines.append(f"{name}{{{lab}}} {v}" if lab else f"{name} {v}")
+
+    served = [(name, s) for name, ss in models.items() for s in ss]
+
+    def each(fn):
+        return [({"model": n, "generator": s.generator}, fn(s)) for n, s in served]
+
+    metric("relf_queue_length", "gauge", "Requests waiting for a slot.", each(lambda s: s.batcher.queue_length()))
+    metric("relf_active_slots", "gauge", "Slots holding a request.", each(lambda s: s.batcher.active()))
+    metric("relf_slots", "gauge", "Slots of the engine.", each(lambda s: s.engine.num_slots))
+    metric("relf_requests_total", "counter", "Finished requests by finish reason.",
+           [({"model": n, "generator": s.generator, "reason": r}, c)
+            for n, s in served for r, c in s.batcher.stats.requests.items()])
+    metric("relf_rejected_total", "counter", "Requests refused with 429 (queue full).",
+           each(lambda s: s.batcher.stats.rejected))
+    metric("relf_generated_tokens_total", "counter", "Tokens generated.", each(lambda s: s.batcher.stats.tokens))
+    metric("relf_tokens_per_second", "gauge", "Generated tokens per second since start.",
+           each(lambda s: s.batcher.stats.tokens / max(time.monotonic() - s.batcher.stats.started, 1e-9)))
+    metric("relf_model_seconds_total", "counter", "Seconds spent in engine prefill and steps.",
+           each(lambda s: s.batcher.stats.model_s))
+    metric("relf_engine_steps_total", "counter", "Engine generate steps.", each(lambda s: s.batcher.stats.steps))
+    metric("relf_acceptance_length", "gauge",
+           "Mean tokens a request gains per step (speculative: accepted drafts + 1).",
+           each(lambda s: s.batcher.stats.tokens / max(s.batcher.stats.slot_steps, 1)))
+    metric("relf_accepted_draft_tokens_total", "counter", "Speculative draft tokens accepted.",
+           each(lambda s: s.batcher.stats.accepted))
+    lines.append("# HELP relf_ttft_seconds Time to first token.")
+    lines.append("# TYPE relf_ttft_seconds histogram")
+    for n, s in served:
+        st = s.batcher.stats
+        lab = f'model="{n}",generator="{s.generator}"'
+        for b, c in st.ttft_buckets.items():
+            le = "+Inf" if b == math.inf else repr(b)
+            lines.append(f'relf_ttft_seconds_bucket{{{lab},le="{le}"}} {c}')
+        lines.append(f"relf_ttft_seconds_sum{{{lab}}} {st.ttft_sum!r}")
+        lines.append(f"relf_ttft_seconds_count{{{lab}}} {st.ttft_count}")
+    metric("relf_e2e_seconds_sum", "counter", "Summed end-to-end seconds of finished requests.",
+           each(lambda s: s.batcher.stats.e2e_sum))
+    metric("relf_e2e_seconds_count", "counter", "Finished requests counted in relf_e2e_seconds_sum.",
+           each(lambda s: s.batcher.stats.e2e_count))
+    return "\n".join(lines) + "\n"
+
+
+def serve(models: dict[str, list[ServedEngine]], *, host: str = "127.0.0.1", port: int = 8000,
+          log_level: str = "info", graceful_timeout_s: float | None = None) -> None:
+    """Run the server until SIGINT/SIGTERM; in-flight requests finish, then the batchers stop."""
+    import uvicorn
+
+    app = create_app(models)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout_s)
+    server = uvicorn.Server(config)
+    try:
+        server.run()
+    finally:
+        for served in models.values():
+            for s in served:
+                s.batcher.stop(drain=True, timeout=30.0)
