@@ -21,6 +21,11 @@ CORE = [
     "safetensors>=0.4",  # relf-jax export --format safetensors / hf
     "flatbuffers",  # jax.export serialization (relf-jax export --format jax-export)
     "tokenizers>=0.20",  # tokenizer.json of models imported from HuggingFace
+    # relf-jax serve: the OpenAI-compatible HTTP server
+    "fastapi>=0.110",
+    "uvicorn>=0.29",
+    "httpx>=0.27",  # relf-jax bench serve's load generator
+    "Jinja2>=3.1",  # chat templates given as Jinja2 files
 ]
 
 # HuggingFace interop (import/export checks, `relf-jax bench hf`): torch is pinned to the
@@ -29,7 +34,8 @@ HF = ["torch==2.13.0", "transformers>=4.45"]
 EXTRAS = {
     "hf": HF,
     # the tests run the HF parity checks and execute examples/quickstart.ipynb
-    "dev": ["pytest>=8", "pytest-xdist>=3.5", "ruff>=0.6", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6.29", *HF],
+    "dev": ["pytest>=8", "pytest-xdist>=3.5", "ruff>=0.6", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6.29",
+            "openai>=1.40", "schemathesis>=4.0", *HF],
 }
 
 setup(

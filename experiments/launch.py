@@ -21,6 +21,8 @@ Parses arguments and calls library functions; holds no method. Config overrides 
     relf-jax bench hf --out hf.json [--quick]
     relf-jax bench rcsd --out rcsd.json [--quick]
     relf-jax bench dws --out dws.json [--quick]
+    relf-jax serve --workdir runs/cpu --generator nsd --generator ar --port 8000
+    relf-jax bench serve --out serve.json [--quick]
     relf-jax demo --quick
     relf-jax info
 
@@ -103,6 +105,33 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--max-len", type=int, default=None, help="jax-export: cache length (default max_seq_len)")
     ex.add_argument("--platforms", default=None, help="jax-export: e.g. cpu,cuda,tpu (default: this backend)")
 
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server: chat/completions (streaming), models, "
+                                      "health, metrics; continuous batching over slots")
+    sv.add_argument("--workdir", default=None, help="trained run directory (ar/, draft/, bd/, relf/ inside)")
+    sv.add_argument("--generator", action="append", default=None,
+                    choices=["ar", "standard", "nsd", "greedy", "bd", "relf"],
+                    help="engine(s) to serve (repeatable; the first is the default; default ar)")
+    sv.add_argument("--model-name", default=None, help="the model id clients ask for (default: workdir's name)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--slots", type=int, default=8, help="requests decoded together per engine")
+    sv.add_argument("--max-queue", type=int, default=256, help="queued requests before 429")
+    sv.add_argument("--policy", default="fcfs", choices=["fcfs", "sjf", "priority"])
+    sv.add_argument("--aging", type=float, default=0.05, help="sjf: predicted cost-seconds gained per second "
+                                                               "waited; priority: levels per second")
+    sv.add_argument("--dws-predictor", default=None, help="sjf: a trained DWS surface predictor directory")
+    sv.add_argument("--dws-cost-model", default=None, help="sjf: the cost model JSON (relf-jax bench dws output)")
+    sv.add_argument("--k", type=int, default=4, help="speculative: drafts per round")
+    sv.add_argument("--proposer", default="draft", choices=["draft", "prompt_lookup"])
+    sv.add_argument("--draft", default=None, help="speculative: the draft's run directory (default <workdir>/draft)")
+    sv.add_argument("--nsd-top-p", type=float, default=0.9)
+    sv.add_argument("--nfe", type=int, default=None, help="relf: network calls per reply")
+    sv.add_argument("--threshold", type=float, default=0.95, help="bd: confidence threshold")
+    sv.add_argument("--chat-template", default=None, help="a .json marker template or a .jinja template")
+    sv.add_argument("--mock", action="store_true", help="serve the model-free mock engine (echoes the user)")
+    sv.add_argument("--mock-step-ms", type=float, default=0.0, help="mock: simulated model time per step")
+    sv.add_argument("--log-level", default="info")
+
     sub.add_parser("info", help="devices, mesh and versions")
     for sp in (t, td, s, e, d, b, ex):
         sp.add_argument("overrides", nargs="*", help="config overrides key=value")
@@ -133,6 +162,8 @@ def _run(args) -> int:
         from relf_jax.info import describe
         print(json.dumps(describe(), indent=2))
         return 0
+    if args.command == "serve":
+        return _serve(args)
     if args.command == "demo":
         from experiments.demo import run_demo
         run_demo(quick=args.quick, workdir=args.workdir, overrides=args.overrides)
@@ -263,6 +294,30 @@ def _sample_or_eval(args, cfg, lm, samples, speed_note: str, extra: dict | None 
     print(json.dumps(out, indent=2))
     if args.out:
         workflows.write_json(args.out, out)
+    return 0
+
+
+def _serve(args) -> int:
+    from relf_jax.serving.chat import ChatTemplate
+    from relf_jax.serving.server import build_models, serve
+
+    cost_fn = None
+    if args.dws_predictor or args.dws_cost_model:
+        if not (args.dws_predictor and args.dws_cost_model):
+            from relf_jax.errors import UserError
+            raise UserError("--dws-predictor and --dws-cost-model go together")
+        from relf_jax.dws.predictor import WorkloadCost
+        cost_fn = WorkloadCost(args.dws_predictor, args.dws_cost_model)
+    template = ChatTemplate.from_file(args.chat_template) if args.chat_template else None
+    models = build_models(args.workdir, args.generator or ["ar"], model_name=args.model_name, slots=args.slots,
+                          max_queue=args.max_queue, policy=args.policy, aging=args.aging, template=template,
+                          cost_fn=cost_fn, mock=args.mock, mock_step_s=args.mock_step_ms / 1e3, k=args.k,
+                          proposer=args.proposer, draft=args.draft, nsd_top_p=args.nsd_top_p, nfe=args.nfe,
+                          threshold=args.threshold)
+    name = next(iter(models))
+    print(f"[serve] model {name!r} with {', '.join(s.generator for s in models[name])} on "
+          f"http://{args.host}:{args.port}/v1 (policy {args.policy}, {args.slots} slots)", flush=True)
+    serve(models, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 

@@ -178,3 +178,42 @@ def _forward(graphdef, params, tokens, length):
 def predict(graphdef, params, tokens: np.ndarray, length: np.ndarray) -> np.ndarray:
     """Surfaces [n, B_max, d] (surface head) or scalars [n] (output tokens / total steps)."""
     return np.asarray(_forward(graphdef, params, jnp.asarray(tokens), jnp.asarray(length)))
+
+
+class WorkloadCost:
+    """Predicted cost (seconds) of a request from its prompt alone: the surface predictor + a
+    fitted `CostModel`. The serving scheduler ranks by it (``SJF(key="dws_cost")``).
+
+    predictor_dir: a trained "dws" predictor with the surface head (``.../predictor_*/surface``);
+    cost_model: a `CostModel`, its dict, or a JSON file holding one (``relf-jax bench dws``'s
+    output, whose "cost_model" entry is used).
+    """
+
+    def __init__(self, predictor_dir: str, cost_model):
+        import json
+
+        from relf_jax import workflows
+        from relf_jax.dws.cost_model import CostModel
+        from relf_jax.errors import UserError
+
+        self.lm = workflows.load_model(predictor_dir, "dws")
+        if self.lm.model_cfg.predictor_head != "surface":
+            raise UserError(f"{predictor_dir} holds a {self.lm.model_cfg.predictor_head!r} predictor; "
+                            "the DWS cost needs the surface head")
+        if isinstance(cost_model, str):
+            with open(cost_model) as f:
+                cost_model = json.load(f)
+            cost_model = cost_model.get("cost_model", cost_model)
+        self.model = cost_model if isinstance(cost_model, CostModel) else CostModel.from_dict(cost_model)
+        self.max_len = self.lm.model_cfg.max_seq_len
+        self._fn = jax.jit(functools.partial(_forward, self.lm.graphdef))
+
+    def __call__(self, prompt: Sequence[int]) -> dict[str, float]:
+        """``{"dws_cost": seconds, "prompt_len": tokens}`` for one prompt (token ids, BOS first)."""
+        cut = list(prompt)[-self.max_len:]
+        arr = np.zeros((1, self.max_len), np.int32)
+        arr[0, :len(cut)] = cut
+        length = np.asarray([len(prompt)], np.int32)
+        surface = np.asarray(self._fn(self.lm.params, jnp.asarray(arr), jnp.asarray(length)))
+        cost = float(self.model.predict(length / self.lm.model_cfg.block_size, surface)[0])
+        return {"dws_cost": cost, "prompt_len": float(len(prompt))}

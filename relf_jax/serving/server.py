@@ -24,10 +24,13 @@ connections, the running requests finish, then the batchers stop.
 
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
 import secrets
+import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -139,7 +142,7 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
 
     class Common(BaseModel):
         model_config = ConfigDict(extra="allow")
-        model: str
+        model: str = Field(..., examples=list(models))
         temperature: Optional[float] = Field(None, ge=0, le=100)
         top_p: Optional[float] = Field(None, gt=0, le=1)
         max_tokens: Optional[int] = Field(None, ge=1)
@@ -443,12 +446,80 @@ def serve(models: dict[str, list[ServedEngine]], *, host: str = "127.0.0.1", por
     """Run the server until SIGINT/SIGTERM; in-flight requests finish, then the batchers stop."""
     import uvicorn
 
+    class _Server(uvicorn.Server):
+        """SIGINT/SIGTERM start the graceful shutdown; the process then exits normally (status 0)
+        instead of re-raising the signal."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            old = {s: signal.signal(s, self.handle_exit) for s in sigs}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
     app = create_app(models)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout_s)
-    server = uvicorn.Server(config)
+    server = _Server(config)
     try:
         server.run()
     finally:
         for served in models.values():
             for s in served:
                 s.batcher.stop(drain=True, timeout=30.0)
+
+
+def build_models(workdir: str | None, generators: list[str], *, model_name: str | None = None, slots: int = 8,
+                 max_queue: int = 256, policy: str = "fcfs", aging: float = 0.05, template: ChatTemplate | None = None,
+                 cost_fn=None, mock: bool = False, mock_step_s: float = 0.0, warmup: bool = True,
+                 **engine_kw) -> dict[str, list[ServedEngine]]:
+    """Engines + batchers for `relf-jax serve`: one model id with one engine per generator.
+
+    policy: "fcfs", "sjf" (shortest predicted DWS cost first, with `aging` cost-seconds per
+    second waited; needs `cost_fn`, e.g. `relf_jax.dws.predictor.WorkloadCost`) or "priority"
+    (the request's ``priority`` field, aging in levels per second). ``mock=True`` serves the
+    model-free `MockEngine` (no checkpoint needed).
+    """
+    import os
+
+    from relf_jax.serving.chat import load_engine
+    from relf_jax.serving.engines import MockEngine
+    from relf_jax.serving.scheduler import make_policy
+
+    if policy == "sjf":
+        if cost_fn is None:
+            raise UserError("policy sjf ranks by predicted DWS cost: give a DWS predictor (--dws-predictor) "
+                            "and its cost model (--dws-cost-model)")
+        pol = make_policy("sjf:dws_cost", aging=aging)
+    elif policy == "priority":
+        pol = make_policy("priority", aging=aging)
+    elif policy == "fcfs":
+        pol = make_policy("fcfs")
+    else:
+        raise UserError(f"unknown policy {policy!r}; choose fcfs, sjf or priority")
+    name = model_name or ("mock" if mock else os.path.basename(os.path.normpath(workdir or "model")))
+    served = []
+    for gen in generators or ["ar"]:
+        if mock:
+            engine = MockEngine(slots, step_s=mock_step_s)
+            gen = "mock"
+        else:
+            if not workdir:
+                raise UserError("serve needs --workdir (a trained run directory) or --mock")
+            engine = load_engine(workdir, gen, slots=slots, **engine_kw)
+        if warmup:
+            engine.warmup()
+        settings = {}
+        if getattr(engine, "k", None) is not None and gen in ("standard", "nsd", "greedy"):
+            settings["k"] = engine.k
+        if gen == "relf":
+            settings["nfe"] = engine.flow_settings.nfe
+        batcher = Batcher(engine, pol, max_queue=max_queue, cost_fn=cost_fn).start()
+        served.append(ServedEngine(engine=engine, batcher=batcher, template=template or ChatTemplate(),
+                                   generator=gen, settings=settings))
+    return {name: served}

@@ -1,0 +1,81 @@
+"""Helpers for the serving tests: tiny random models on the byte tokenizer, a live server."""
+
+import contextlib
+import dataclasses
+import socket
+import threading
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def tiny_lm(family: str = "ar", seed: int = 0, **model_kw):
+    """A LoadedModel with random weights over the mock engine's byte tokenizer (vocab 262)."""
+    from flax import nnx
+
+    from relf_jax.checkpoint import LoadedModel
+    from relf_jax.config import make_config
+    from relf_jax.models import build_model
+    from relf_jax.serving.engines import ByteTokenizer
+
+    tok = ByteTokenizer()
+    cfg = make_config("tiny", [f"model.family={family}"] if family != "ar" else [])
+    mc = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size, **model_kw)
+    graphdef, params = nnx.split(build_model(mc, nnx.Rngs(seed)))
+    extras = {}
+    if family == "relf":
+        table = np.random.default_rng(seed).normal(size=(tok.vocab_size, mc.flow_embed_dim))
+        table *= cfg.flow.embed_norm / np.linalg.norm(table, axis=1, keepdims=True)
+        extras["flow.embeddings"] = jnp.asarray(table, jnp.float32)
+    return LoadedModel(cfg=cfg, model_cfg=mc, graphdef=graphdef, params=params, tokenizer=tok, step=0,
+                       extras=extras)
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@contextlib.contextmanager
+def live_server(models, **app_kw):
+    """Serve `models` (see relf_jax.serving.server.create_app) on 127.0.0.1 in a thread; yields the base URL."""
+    import uvicorn
+
+    from relf_jax.serving.server import create_app
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(models, **app_kw), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        for served in models.values():
+            for s in served:
+                s.batcher.stop(drain=False, timeout=5)
+
+
+def mock_models(slots: int = 4, step_s: float = 0.0, max_queue: int = 64, name: str = "mock", policy=None):
+    from relf_jax.serving.batching import Batcher
+    from relf_jax.serving.chat import ChatTemplate
+    from relf_jax.serving.engines import MockEngine
+    from relf_jax.serving.server import ServedEngine
+
+    engine = MockEngine(slots, step_s=step_s)
+    batcher = Batcher(engine, policy, max_queue=max_queue).start()
+    return {name: [ServedEngine(engine, batcher, ChatTemplate(), "mock", {})]}
+
+
+ROOT_DIR = __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__)))

@@ -1,0 +1,127 @@
+"""Continuous batching over the mock engine: slots, policies, bounds, cancellation, stop strings."""
+
+import queue
+import threading
+import time
+
+import pytest
+
+from relf_jax.serving.batching import Batcher, GenerationRequest, ServerClosed
+from relf_jax.serving.engines import ByteTokenizer, MockEngine, RequestParams
+from relf_jax.serving.scheduler import SJF, QueueFull
+
+TOK = ByteTokenizer()
+
+
+def _req(text, max_tokens=200, **kw):
+    return GenerationRequest(prompt=[TOK.bos_id] + TOK.encode(f"<user> {text} <assistant>"),
+                             params=RequestParams(max_tokens=max_tokens, temperature=0.0), **kw)
+
+
+class Collect:
+    def __init__(self):
+        self.events = queue.SimpleQueue()
+
+    def __call__(self, ev):
+        self.events.put(ev)
+
+    def result(self, timeout=10.0):
+        text = []
+        while True:
+            ev = self.events.get(timeout=timeout)
+            text.append(ev.text)
+            if ev.finish_reason is not None:
+                return "".join(text), ev
+
+
+def test_requests_join_and_leave_slots():
+    eng = MockEngine(2, step_s=0.002)
+    seen = []
+    gen = eng.generate
+
+    def spy(state):  # occupied slots per step never exceed the engine's
+        seen.append(sum(s is not None for s in state))
+        return gen(state)
+
+    eng.generate = spy
+    b = Batcher(eng).start()
+    texts = [f"message number {i}" + "!" * i for i in range(6)]
+    sinks = [Collect() for _ in texts]
+    for t, s in zip(texts, sinks):
+        b.submit(_req(t), s)
+    for t, s in zip(texts, sinks):
+        text, ev = s.result()
+        assert text == t and ev.finish_reason == "stop"
+        assert ev.usage["completion_tokens"] == len(t) + 1  # + EOS
+        assert ev.usage["model_s"] > 0
+    assert max(seen) == 2 and 1 in seen  # shorter replies left while longer ones ran
+    b.stop()
+
+
+def test_max_tokens_and_stop_strings():
+    b = Batcher(MockEngine(2)).start()
+    s = Collect()
+    b.submit(_req("abcdefgh", max_tokens=3), s)
+    assert s.result()[0] == "abc"
+    s2 = Collect()
+    b.submit(_req("hello world", stop=("o w", "zz")), s2)
+    text, ev = s2.result()
+    assert text == "hell" and ev.finish_reason == "stop"
+    s3 = Collect()
+    b.submit(_req("abc", max_tokens=2), s3)
+    text, ev = s3.result()
+    assert text == "ab" and ev.finish_reason == "length"
+    b.stop()
+
+
+def test_sjf_admits_the_cheapest_first_and_the_queue_is_bounded():
+    eng = MockEngine(1, step_s=0.01)
+    b = Batcher(eng, SJF(key="cost"), max_queue=3).start()
+    order = []
+    lock = threading.Lock()
+
+    def sink_for(name):
+        def sink(ev):
+            if ev.finish_reason is not None:
+                with lock:
+                    order.append(name)
+        return sink
+
+    b.submit(_req("x" * 20, predicted={"cost": 0.0}), sink_for("running"))
+    time.sleep(0.05)  # the first one holds the only slot
+    for name, cost in (("big", 9.0), ("small", 1.0), ("mid", 5.0)):
+        b.submit(_req(name, predicted={"cost": cost}), sink_for(name))
+    with pytest.raises(QueueFull):
+        b.submit(_req("one too many", predicted={"cost": 0.0}), sink_for("x"))
+    deadline = time.monotonic() + 10
+    while len(order) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert order == ["running", "small", "mid", "big"]
+    b.stop()
+
+
+def test_cancel_frees_the_slot_at_once():
+    eng = MockEngine(1, step_s=0.02)
+    b = Batcher(eng).start()
+    long = Collect()
+    rid = b.submit(_req("y" * 200, max_tokens=250), long)  # ~4 s of steps
+    long.events.get(timeout=5)  # it is running
+    b.cancel(rid)
+    t0 = time.monotonic()
+    short = Collect()
+    b.submit(_req("hi"), short)
+    text, ev = short.result(timeout=5)
+    assert text == "hi" and time.monotonic() - t0 < 1.0
+    assert long.result()[1].finish_reason == "cancelled"
+    b.stop()
+
+
+def test_stop_drains_then_refuses():
+    b = Batcher(MockEngine(2, step_s=0.005)).start()
+    sinks = [Collect() for _ in range(4)]
+    for i, s in enumerate(sinks):
+        b.submit(_req(f"reply {i}"), s)
+    b.stop(drain=True, timeout=10)
+    assert [s.result(timeout=1)[0] for s in sinks] == [f"reply {i}" for i in range(4)]
+    with pytest.raises(ServerClosed):
+        b.submit(_req("late"), Collect())

@@ -1,0 +1,200 @@
+"""The OpenAI-compatible server: the official client, concurrency, bad input, disconnects, fuzzing, SIGTERM."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from relf_jax.serving.batching import Batcher
+from relf_jax.serving.chat import ChatTemplate
+from relf_jax.serving.engines import AREngine
+from relf_jax.serving.server import ServedEngine
+from tests._serving import ROOT_DIR, free_port, live_server, mock_models, tiny_lm
+
+USER = [{"role": "user", "content": "hello world"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = AREngine(tiny_lm("ar", max_seq_len=64), 4)
+    engine.warmup([20])
+    models = {"tiny": [ServedEngine(engine, Batcher(engine).start(), ChatTemplate(), "ar", {})],
+              **mock_models(4, step_s=0.001)}
+    with live_server(models) as base:
+        yield base
+
+
+def test_openai_client_chat_stream_usage_stop_and_seed(server):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    assert {m.id for m in client.models.list().data} == {"tiny", "mock"}
+    r = client.chat.completions.create(model="mock", messages=USER)
+    assert r.choices[0].message.content == "hello world" and r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens == 1 + 2 + len(" hello world ")  # BOS, the two markers, the bytes
+    assert r.usage.completion_tokens == len("hello world") + 1
+    pieces, usage, finish = [], None, None
+    for chunk in client.chat.completions.create(model="mock", messages=USER, stream=True,
+                                                stream_options={"include_usage": True}, stop=[" wor"]):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        else:
+            usage = chunk.usage
+    assert "".join(pieces) == "hello" and finish == "stop" and usage.completion_tokens >= 5
+    # a real model: the same seed gives the same reply, streamed or not; max_tokens bounds it
+    kw = dict(model="tiny", messages=USER, temperature=1.0, max_tokens=12)
+    a = client.chat.completions.create(seed=7, **kw)
+    b = client.chat.completions.create(seed=7, **kw)
+    streamed = "".join(c.choices[0].delta.content or "" for c in
+                       client.chat.completions.create(seed=7, stream=True, **kw) if c.choices)
+    c = client.chat.completions.create(seed=8, **kw)
+    assert a.choices[0].message.content == b.choices[0].message.content == streamed
+    assert a.usage.completion_tokens <= 12 and a.usage.completion_tokens >= 1
+    assert c.choices[0].message.content != a.choices[0].message.content
+    comp = client.completions.create(model="mock", prompt="<user> abc <assistant>", max_tokens=2)
+    assert comp.choices[0].text == "ab" and comp.choices[0].finish_reason == "length"
+
+
+def test_64_concurrent_streaming_clients(server):
+    async def one(client, i):
+        text = f"client {i} says hi"
+        lines = []
+        async with client.stream("POST", f"{server}/v1/chat/completions",
+                                 json={"model": "mock", "stream": True,
+                                       "messages": [{"role": "user", "content": text}]}) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line:
+                    lines.append(line)
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(x[len("data: "):]) for x in lines[:-1]]
+        assert all(x.startswith("data: ") for x in lines)
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == text
+
+    async def main():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    assert all(asyncio.run(main()))
+
+
+BAD = [
+    ("malformed json", b'{"model": "mock", "messages": [', 400),
+    ("unknown model", {"model": "nope", "messages": USER}, 404),
+    ("messages not a list", {"model": "mock", "messages": "hi"}, 400),
+    ("temperature a string", {"model": "mock", "messages": USER, "temperature": "hot"}, 400),
+    ("max_tokens zero", {"model": "mock", "messages": USER, "max_tokens": 0}, 400),
+    ("max_tokens past the context", {"model": "tiny", "messages": USER, "max_tokens": 1000}, 400),
+    ("temperature < 0", {"model": "mock", "messages": USER, "temperature": -0.5}, 400),
+    ("top_p zero", {"model": "mock", "messages": USER, "top_p": 0}, 400),
+    ("top_p above one", {"model": "mock", "messages": USER, "top_p": 1.5}, 400),
+    ("empty messages", {"model": "mock", "messages": []}, 400),
+    ("bad role", {"model": "mock", "messages": [{"role": "robot", "content": "x"}]}, 400),
+    ("no model", {"messages": USER}, 400),
+    ("n > 1", {"model": "mock", "messages": USER, "n": 2}, 400),
+    ("unserved generator", {"model": "mock", "messages": USER, "generator": "nsd"}, 400),
+    ("oversized body", b'{"model": "mock", "messages": [], "pad": "' + b"x" * (2 << 20) + b'"}', 413),
+]
+
+
+@pytest.mark.parametrize("name,body,status", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_an_error_object_and_the_server_keeps_serving(server, name, body, status):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body}
+    r = httpx.post(f"{server}/v1/chat/completions", timeout=30, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    ok = httpx.post(f"{server}/v1/chat/completions", json={"model": "mock", "messages": USER}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "hello world"
+
+
+def test_full_queue_429_and_disconnect_frees_the_slot():
+    with live_server(mock_models(1, step_s=0.02, max_queue=1)) as base:
+        long = {"model": "mock", "stream": True, "max_tokens": 200,
+                "messages": [{"role": "user", "content": "z" * 180}]}  # ~3.6 s of steps
+        with httpx.Client(timeout=30) as client:
+            with client.stream("POST", f"{base}/v1/chat/completions", json=long) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                next(lines)  # it holds the only slot
+                with httpx.Client(timeout=30) as c2, c2.stream("POST", f"{base}/v1/chat/completions",
+                                                              json=long) as queued:
+                    assert queued.status_code == 200
+                    time.sleep(0.1)  # the second one waits in the queue (its bound is 1)
+                    full = httpx.post(f"{base}/v1/chat/completions", json={"model": "mock", "messages": USER})
+                    assert full.status_code == 429 and full.headers["retry-after"] == "1"
+                    assert full.json()["error"]["type"] == "rate_limit_error"
+                # both streams closed mid-way: their slot and queue place are freed at once
+            t0 = time.monotonic()
+            ok = httpx.post(f"{base}/v1/chat/completions", json={"model": "mock", "messages": USER}, timeout=30)
+            assert ok.status_code == 200 and time.monotonic() - t0 < 2.0
+        metrics = httpx.get(f"{base}/metrics").text
+        assert 'relf_requests_total{model="mock",generator="mock",reason="cancelled"} 2.0' in metrics
+        assert 'relf_rejected_total{model="mock",generator="mock"} 1.0' in metrics
+        assert "relf_ttft_seconds_count" in metrics and "relf_queue_length" in metrics
+        assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+
+
+def test_schemathesis_finds_no_server_errors(server):
+    import hypothesis
+    import schemathesis
+
+    schema = schemathesis.openapi.from_url(f"{server}/openapi.json")
+    labels = []
+    for result in schema.get_all_operations():
+        op = result.ok()
+        labels.append(op.label)
+
+        @hypothesis.settings(max_examples=25, deadline=None, database=None,
+                             suppress_health_check=list(hypothesis.HealthCheck))
+        @hypothesis.given(case=op.as_strategy())
+        def check(case):
+            r = case.call(base_url=server, timeout=30)
+            assert r.status_code < 500, (case.body, r.text)
+
+        check()
+    assert "POST /v1/chat/completions" in labels and "GET /metrics" in labels
+
+
+def test_sigterm_drains_in_flight_requests_then_exits():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.launch", "serve", "--mock", "--mock-step-ms", "20",
+                             "--port", str(port), "--log-level", "warning"], cwd=ROOT_DIR,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() else ""
+            time.sleep(0.1)
+        text = "drain me " * 5
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
+                          json={"model": "mock", "stream": True,
+                                "messages": [{"role": "user", "content": text}]}) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            assert first.startswith("data: ")
+            proc.send_signal(signal.SIGTERM)  # ~0.9 s of the reply is still to come
+            rest = [x for x in lines if x]
+        assert rest[-1] == "data: [DONE]"
+        body = "".join(json.loads(x[6:])["choices"][0]["delta"].get("content") or "" for x in [first] + rest[:-1])
+        assert body == text.strip()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
