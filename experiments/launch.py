@@ -85,8 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--workdir", default=None)
 
     b = sub.add_parser("bench", help="long measurements written as JSON (bench spec | relf | verify | latency | "
-                                     "flowstep | hf | rcsd | dws)")
-    b.add_argument("which", choices=["spec", "relf", "verify", "latency", "flowstep", "hf", "rcsd", "dws"])
+                                     "flowstep | hf | rcsd | dws | serve)")
+    b.add_argument("which", choices=["spec", "relf", "verify", "latency", "flowstep", "hf", "rcsd", "dws", "serve"])
     b.add_argument("--out", required=True, help="JSON file to write")
     b.add_argument("--quick", action="store_true", help="tiny preset, a few minutes")
     b.add_argument("--workdir", default=None, help="where models are trained / cached")
@@ -178,6 +178,8 @@ def _run(args) -> int:
             from experiments.bench_rcsd import bench_rcsd as run_bench
         elif args.which == "dws":
             from experiments.bench_dws import bench_dws as run_bench
+        elif args.which == "serve":
+            from experiments.bench_serve import bench_serve as run_bench
         else:
             run_bench = getattr(bench, f"bench_{args.which}")
         run_bench(args.out, quick=args.quick, workdir=args.workdir, overrides=args.overrides)

@@ -198,3 +198,19 @@ def test_sigterm_drains_in_flight_requests_then_exits():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_bench_load_generator_against_the_mock_server():
+    """`relf-jax bench serve`'s load generator (its own process) and its summary, on a live mock server."""
+    from experiments.bench_serve import _run_load, summarize_run
+    from relf_jax.serving.simulator import poisson_arrivals
+
+    with live_server(mock_models(2, step_s=0.002)) as base:
+        bodies = [{"model": "mock", "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 8,
+                   "messages": [{"role": "user", "content": f"request {i}"}]} for i in range(12)]
+        bodies.append({"model": "nope", "stream": True, "messages": USER})  # one error, counted
+        res = _run_load(f"{base}/v1/chat/completions", bodies, poisson_arrivals(50.0, len(bodies), 0))
+    s = summarize_run(res["records"], res["wall_s"])
+    assert s["requests"] == 13 and s["errors"] == 1 and s["error_kinds"] == ["HTTP 404"]
+    assert s["output_tokens"] == sum(min(8, len(f"request {i}") + 1) for i in range(12))
+    assert 0 < s["ttft_p50"] <= s["e2e_p50"] <= s["e2e_p99"] and s["output_tokens_per_s"] > 0

@@ -207,6 +207,7 @@ class WorkloadCost:
         self.model = cost_model if isinstance(cost_model, CostModel) else CostModel.from_dict(cost_model)
         self.max_len = self.lm.model_cfg.max_seq_len
         self._fn = jax.jit(functools.partial(_forward, self.lm.graphdef))
+        self(np.asarray([self.lm.tokenizer.bos_id]))  # compile now, not on the first request
 
     def __call__(self, prompt: Sequence[int]) -> dict[str, float]:
         """``{"dws_cost": seconds, "prompt_len": tokens}`` for one prompt (token ids, BOS first)."""

@@ -124,10 +124,16 @@ class Engine(abc.ABC):
             raise UserError(f"prompt of {prompt_len} tokens + max_tokens={max_tokens} exceeds the model "
                             f"context of {room} tokens")
 
-    def warmup(self, prompt_lengths: Sequence[int] = (8,)) -> None:
-        """Compile prefill for the buckets of `prompt_lengths`, and insert/generate/free, off the clock."""
+    def warmup(self, prompt_lengths: Sequence[int] | None = None) -> None:
+        """Compile prefill for the buckets of `prompt_lengths` (default: every power-of-two
+        bucket up to half the context), and insert/generate/free, off the clock."""
         state = self.init_state()
         bos = getattr(self.tokenizer, "bos_id", 2)
+        if prompt_lengths is None:
+            prompt_lengths, b = [], 8
+            while b <= self.max_context // 2:
+                prompt_lengths.append(b)
+                b *= 2
         for n in prompt_lengths:
             n = max(1, min(n, self.max_context - self.reserve() - 1))
             prefix = self.prefill([bos] * n, RequestParams(max_tokens=1, temperature=0.0))

@@ -1,0 +1,361 @@
+"""`relf-jax bench serve`: the live server under a Poisson load, measured from the client.
+
+Composition only. It starts `relf-jax serve` subprocesses on 127.0.0.1 and drives each with a
+load generator in its own process (`load_child`: asyncio + httpx, open-loop Poisson arrivals,
+a fixed number of streaming chat requests built from `synthetic_chat` and `chatterbot`
+prompts). Every request records its time to first token (TTFT), time per output token after
+the first (TPOT), end-to-end latency and its output tokens (the server's usage report);
+a run reports p50/p99 of each, the mean latency, output tokens/s over the run, and errors.
+
+Three comparisons, each side by side in one run:
+
+1. **AR vs NSD speculative engines** (same model, its distilled draft, `slots` slots, FCFS):
+   the same request stream at several rates, multiples of the AR engine's batch-1 request
+   rate; reports the NSD / AR ratio of output tokens/s at each rate.
+2. **Server overhead at batch 1**: requests sent one after another; the share of the
+   client-measured end-to-end time that was not spent in engine prefill/steps (the server's
+   ``relf_model_seconds_total`` counter, read from /metrics before and after).
+3. **FCFS vs SJF-DWS** on the block-diffusion engine with one slot (a non-preemptive server,
+   where the discrete-event simulator is exact): every prompt is first timed alone (batch 1),
+   then the same Poisson stream is served under each policy at loads around and above
+   saturation; the measured FCFS / SJF mean-latency ratio is reported next to the simulator's
+   prediction from the batch-1 times (`relf_jax.serving.simulator`). SJF ranks by the DWS
+   predictor's cost (`relf_jax.dws.predictor.WorkloadCost`, from ``relf-jax bench dws``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeBenchSizes:
+    preset: str = "cpu"
+    requests: int = 160  # per run (AR / NSD)
+    rate_factors: tuple[float, ...] = (1.0, 4.0, 16.0)  # x the AR engine's batch-1 request rate
+    slots: int = 8
+    k: int = 4
+    max_tokens: int = 64
+    temperature: float = 1.0
+    batch1_requests: int = 24
+    dws_requests: int = 160
+    dws_loads: tuple[float, ...] = (0.9, 1.2)
+    dws_max_tokens: int = 96
+    dws_aging_horizon: float = 100.0  # in mean service times (as bench dws)
+    seed: int = 0
+
+
+QUICK = ServeBenchSizes(preset="tiny", requests=48, rate_factors=(1.0, 8.0), batch1_requests=8, dws_requests=48,
+                        dws_loads=(1.2,), max_tokens=32, dws_max_tokens=48)
+
+
+# ----------------------------------------------------------------------------- load generator
+
+def _pct(x, q):
+    return float(np.percentile(x, q)) if len(x) else None
+
+
+def summarize_run(records: list[dict], wall_s: float) -> dict:
+    """p50/p99 TTFT, TPOT and latency, mean latency, output tokens/s and errors of one run."""
+    ok = [r for r in records if r["error"] is None]
+    ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
+    e2e = [r["e2e"] for r in ok]
+    tpot = [(r["e2e"] - r["ttft"]) / (r["tokens"] - 1) for r in ok if r["ttft"] is not None and r["tokens"] > 1]
+    tokens = sum(r["tokens"] for r in ok)
+    return {"requests": len(records), "errors": len(records) - len(ok),
+            "error_kinds": sorted({r["error"] for r in records if r["error"]})[:5],
+            "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99),
+            "tpot_p50": _pct(tpot, 50), "tpot_p99": _pct(tpot, 99),
+            "e2e_p50": _pct(e2e, 50), "e2e_p99": _pct(e2e, 99), "e2e_mean": float(np.mean(e2e)) if e2e else None,
+            "output_tokens": tokens, "wall_s": wall_s, "output_tokens_per_s": tokens / max(wall_s, 1e-9),
+            "requests_per_s": len(ok) / max(wall_s, 1e-9)}
+
+
+async def _one(client, url: str, body: dict, at: float, t0: float) -> dict:
+    await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+    sent = time.perf_counter()
+    rec = {"arrival": at, "ttft": None, "e2e": None, "tokens": 0, "error": None}
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                rec["error"] = f"HTTP {r.status_code}"
+                await r.aread()
+                return rec
+            done = False
+            async for line in r.aiter_lines():
+                if not line:
+                    continue
+                if not line.startswith("data: "):
+                    rec["error"] = "malformed SSE line"
+                    break
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    rec["error"] = "error event"
+                    break
+                if obj.get("usage"):
+                    rec["tokens"] = obj["usage"]["completion_tokens"]
+                if obj["choices"] and obj["choices"][0]["delta"].get("content") and rec["ttft"] is None:
+                    rec["ttft"] = time.perf_counter() - sent
+            if not done and rec["error"] is None:
+                rec["error"] = "stream ended without [DONE]"
+    except Exception as e:  # noqa: BLE001 - a failed request is a measured error
+        rec["error"] = type(e).__name__
+    rec["e2e"] = time.perf_counter() - sent
+    return rec
+
+
+def load_child(spec: dict) -> dict:
+    """Run one load: spec = {url, model, bodies: [chat bodies], arrivals: [s] or None (one after another)}."""
+    import httpx
+
+    async def main():
+        limits = httpx.Limits(max_connections=spec.get("max_connections", 512))
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+            t0 = time.perf_counter()
+            if spec["arrivals"] is None:  # closed loop, batch 1
+                recs = []
+                for body in spec["bodies"]:
+                    recs.append(await _one(client, spec["url"], body, 0.0, time.perf_counter()))
+            else:
+                recs = await asyncio.gather(*(_one(client, spec["url"], b, a, t0)
+                                              for b, a in zip(spec["bodies"], spec["arrivals"])))
+            return list(recs), time.perf_counter() - t0
+
+    records, wall = asyncio.run(main())
+    return {"records": records, "wall_s": wall}
+
+
+def _run_load(url: str, bodies: list[dict], arrivals: Sequence[float] | None) -> dict:
+    """The load generator in its own process; returns its records and wall time."""
+    spec = {"url": url, "bodies": bodies, "arrivals": None if arrivals is None else [float(a) for a in arrivals]}
+    code = ("import json, sys; from experiments.bench_serve import load_child; "
+            "print(json.dumps(load_child(json.loads(sys.stdin.read()))))")
+    res = subprocess.run([sys.executable, "-c", code], input=json.dumps(spec), capture_output=True, text=True,
+                         cwd=ROOT, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------- servers
+
+class ServerProcess:
+    """`relf-jax serve ARGS` on a free 127.0.0.1 port; ready once /health answers."""
+
+    def __init__(self, args: list[str], log_path: str, ready_timeout_s: float = 900.0):
+        import httpx
+
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        self.port = s.getsockname()[1]
+        s.close()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "experiments.launch", "serve", "--port", str(self.port),
+                                      "--log-level", "warning", *args], cwd=ROOT, stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}); see {log_path}")
+            try:
+                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the server did not start in {ready_timeout_s} s; see {log_path}")
+            time.sleep(0.5)
+
+    def metric(self, name: str) -> float:
+        import httpx
+
+        total = 0.0
+        for line in httpx.get(f"{self.base}/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _bodies(prompts, model: str, *, max_tokens: int, temperature: float, seed: int) -> list[dict]:
+    out = []
+    for i, p in enumerate(prompts):
+        content = p.text.replace("<user>", " ").replace("<assistant>", " ").strip()
+        out.append({"model": model, "stream": True, "stream_options": {"include_usage": True},
+                    "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                    "temperature": temperature, "seed": seed + i})
+    return out
+
+
+def _batch1(server: ServerProcess, bodies: list[dict]) -> dict:
+    """Requests one after another: latency and the share of it spent outside the engine."""
+    m0 = server.metric("relf_model_seconds_total")
+    res = _run_load(f"{server.base}/v1/chat/completions", bodies, None)
+    model_s = server.metric("relf_model_seconds_total") - m0
+    recs = res["records"]
+    e2e = sum(r["e2e"] for r in recs if r["error"] is None)
+    return {**summarize_run(recs, res["wall_s"]), "model_s": model_s, "client_e2e_s": e2e,
+            "overhead_share": 1.0 - model_s / max(e2e, 1e-9), "records": recs}
+
+
+# ----------------------------------------------------------------------------- the benchmark
+
+def _ensure_models(workdir: str, preset: str, overrides: Sequence[str]):
+    from relf_jax import workflows
+    from relf_jax.config import make_config
+
+    cfg = make_config(preset, list(overrides), workdir=workdir)
+    workflows.train_lm(cfg)
+    workflows.train_draft(cfg.workdir, [f"train.steps={max(1, cfg.train.steps // 2)}"])
+    return cfg
+
+
+def _ensure_dws(workdir: str, quick: bool) -> tuple[str, str]:
+    """(surface predictor dir, bench dws JSON) under <workdir>/dws, made by `bench dws` if missing."""
+    dws_dir = os.path.join(workdir, "dws")
+    report = os.path.join(workdir, "dws.json")
+    found = sorted(glob.glob(os.path.join(dws_dir, "predictor_*", "surface")), key=os.path.getmtime)
+    if not (found and os.path.isfile(report)):
+        from experiments.bench_dws import bench_dws
+
+        print(f"[bench serve] no DWS predictor in {dws_dir}: running bench dws (writes {report})", flush=True)
+        bench_dws(report, quick=quick, workdir=dws_dir)
+        found = sorted(glob.glob(os.path.join(dws_dir, "predictor_*", "surface")), key=os.path.getmtime)
+    return found[-1], report
+
+
+def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),
+                sizes: ServeBenchSizes | None = None) -> dict:
+    from relf_jax import workflows
+    from relf_jax.dws.predictor import WorkloadCost
+    from relf_jax.dws.workload import workload_prompts
+    from relf_jax.serving.scheduler import FCFS, SJF, aging_for
+    from relf_jax.serving.simulator import poisson_arrivals, simulate, summarize
+
+    sz = sizes or (QUICK if quick else ServeBenchSizes())
+    workdir = workdir or os.path.join("runs", f"bench_serve_{sz.preset}")
+    os.makedirs(workdir, exist_ok=True)
+    t_start = time.perf_counter()
+    _ensure_models(workdir, sz.preset, overrides)
+    tok = workflows.load_model(workdir, "ar").tokenizer
+    n_all = max(sz.requests, sz.batch1_requests, sz.dws_requests)
+    prompts = workload_prompts(tok, n_synthetic=int(n_all * 0.8) + 1, n_chatterbot=n_all // 5 + 1,
+                               seed=sz.seed + 1234)
+    rng = np.random.default_rng(sz.seed)
+    prompts = [prompts[i] for i in rng.permutation(len(prompts))]
+    result: dict = {"config": {**dataclasses.asdict(sz), "workdir": os.path.abspath(workdir)}}
+    logs = os.path.join(workdir, "logs")
+    os.makedirs(logs, exist_ok=True)
+
+    # --- 1 + 2: AR vs NSD, and batch-1 overhead
+    common = ["--workdir", workdir, "--slots", str(sz.slots), "--k", str(sz.k), "--model-name", "m"]
+    engines = {}
+    for gen in ("ar", "nsd"):
+        print(f"[bench serve] {gen} engine: starting the server", flush=True)
+        with ServerProcess([*common, "--generator", gen], os.path.join(logs, f"serve_{gen}.log")) as srv:
+            url = f"{srv.base}/v1/chat/completions"
+            b1 = _batch1(srv, _bodies(prompts[:sz.batch1_requests], "m", max_tokens=sz.max_tokens,
+                                      temperature=sz.temperature, seed=sz.seed))
+            if gen == "ar":
+                base_rate = b1["requests"] / b1["wall_s"]
+            runs = {}
+            bodies = _bodies(prompts[:sz.requests], "m", max_tokens=sz.max_tokens, temperature=sz.temperature,
+                             seed=sz.seed)
+            for f in sz.rate_factors:
+                rate = f * base_rate
+                arrivals = poisson_arrivals(rate, sz.requests, sz.seed + 7)
+                res = _run_load(url, bodies, arrivals)
+                runs[f"{f:g}"] = {"rate_rps": rate, **summarize_run(res["records"], res["wall_s"])}
+                print(f"[bench serve] {gen} x{f:g} ({rate:.2f} req/s): "
+                      f"{runs[f'{f:g}']['output_tokens_per_s']:.0f} tok/s, "
+                      f"mean e2e {runs[f'{f:g}']['e2e_mean']:.2f} s, errors {runs[f'{f:g}']['errors']}", flush=True)
+            acc = srv.metric("relf_acceptance_length")
+            engines[gen] = {"batch1": {k: v for k, v in b1.items() if k != "records"}, "rates": runs,
+                            "acceptance_length": acc}
+    result["engines"] = engines
+    result["nsd_over_ar_tokens_per_s"] = {
+        f: engines["nsd"]["rates"][f]["output_tokens_per_s"] / engines["ar"]["rates"][f]["output_tokens_per_s"]
+        for f in engines["ar"]["rates"]}
+    result["overhead_share_batch1"] = {g: engines[g]["batch1"]["overhead_share"] for g in engines}
+
+    # --- 3: FCFS vs SJF-DWS on the block-diffusion engine, one slot
+    predictor_dir, dws_report = _ensure_dws(workdir, quick)
+    bd_dir = os.path.join(workdir, "dws")
+    cost = WorkloadCost(predictor_dir, dws_report)
+    bd_tok = workflows.load_model(bd_dir, "bd").tokenizer
+    dws_prompts = prompts[:sz.dws_requests]
+    predicted = np.asarray([cost([bd_tok.bos_id] + bd_tok.encode(p.text))["dws_cost"] for p in dws_prompts])
+    dbodies = _bodies(dws_prompts, "m", max_tokens=sz.dws_max_tokens, temperature=0.0, seed=sz.seed)
+    cal, loads = None, {}
+    for policy in ("fcfs", "sjf"):
+        args = ["--workdir", bd_dir, "--generator", "bd", "--slots", "1", "--model-name", "m", "--policy", policy,
+                "--max-queue", str(4 * sz.dws_requests)]
+        if policy == "sjf":
+            aging = aging_for(predicted, sz.dws_aging_horizon * float(np.mean(service)))
+            args += ["--dws-predictor", predictor_dir, "--dws-cost-model", dws_report, "--aging", repr(aging)]
+        print(f"[bench serve] bd engine, {policy}: starting the server", flush=True)
+        with ServerProcess(args, os.path.join(logs, f"serve_bd_{policy}.log")) as srv:
+            url = f"{srv.base}/v1/chat/completions"
+            if cal is None:  # every prompt alone: the service times the simulator replays
+                cal = _batch1(srv, dbodies)
+                service = np.asarray([r["e2e"] for r in cal["records"]])
+                first = np.asarray([min(r["ttft"] or r["e2e"], r["e2e"]) for r in cal["records"]])
+                result["dws_batch1"] = {k: v for k, v in cal.items() if k != "records"}
+            for load in sz.dws_loads:
+                rate = load / float(np.mean(service))
+                arrivals = poisson_arrivals(rate, len(dbodies), sz.seed + 11)
+                res = _run_load(url, dbodies, arrivals)
+                loads.setdefault(f"{load:g}", {"rate_rps": rate, "arrivals": arrivals})[policy] = \
+                    summarize_run(res["records"], res["wall_s"])
+                s = loads[f"{load:g}"][policy]
+                print(f"[bench serve] bd {policy} load {load:g}: mean e2e {s['e2e_mean']:.3f} s, "
+                      f"errors {s['errors']}", flush=True)
+    aging = aging_for(predicted, sz.dws_aging_horizon * float(np.mean(service)))
+    for load, entry in loads.items():
+        arrivals = entry.pop("arrivals")
+        sim = {name: simulate(arrivals, service, first, {"dws_cost": predicted}, pol)
+               for name, pol in (("fcfs", FCFS()), ("sjf", SJF(key="dws_cost", aging=aging)))}
+        entry["simulated"] = {name: summarize(r.latency) for name, r in sim.items()}
+        entry["ratio_fcfs_over_sjf_measured"] = entry["fcfs"]["e2e_mean"] / entry["sjf"]["e2e_mean"]
+        entry["ratio_fcfs_over_sjf_simulated"] = sim["fcfs"].latency.mean() / sim["sjf"].latency.mean()
+    result["dws"] = {"predictor": predictor_dir, "cost_model_from": dws_report, "aging": aging, "loads": loads}
+    result["wall_s"] = time.perf_counter() - t_start
+    workflows.write_json(out, result)
+    print(json.dumps({"nsd_over_ar_tokens_per_s": result["nsd_over_ar_tokens_per_s"],
+                      "overhead_share_batch1": result["overhead_share_batch1"],
+                      "dws": {k: {"measured": v["ratio_fcfs_over_sjf_measured"],
+                                  "simulated": v["ratio_fcfs_over_sjf_simulated"]} for k, v in loads.items()}},
+                     indent=2))
+    return result
