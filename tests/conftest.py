@@ -2,7 +2,9 @@
 
 import dataclasses
 import os
+import shutil
 import sys
+import tempfile
 
 import jax
 import pytest
@@ -14,6 +16,28 @@ jax.config.update("jax_default_matmul_precision", "highest")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+
+def pytest_configure(config):
+    """One persistent JAX compilation cache per test run, shared by the xdist workers and the
+    CLI subprocesses they start: the many tests that compile the same tiny programs compile
+    them once. The directory is made fresh for the run (so timings are those of a cold start)
+    and removed at its end."""
+    if not hasattr(config, "workerinput") and "RELF_JAX_TEST_JIT_CACHE" not in os.environ:
+        config._relf_jit_cache = tempfile.mkdtemp(prefix="relf_jax_test_jit_")
+        os.environ["RELF_JAX_TEST_JIT_CACHE"] = config._relf_jit_cache
+    cache = os.environ.get("RELF_JAX_TEST_JIT_CACHE")
+    if cache:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
+        os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.3"
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
+
+
+def pytest_unconfigure(config):
+    cache = getattr(config, "_relf_jit_cache", None)
+    if cache:
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 def pytest_addoption(parser):

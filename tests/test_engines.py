@@ -59,7 +59,8 @@ def test_ar_engine_matches_the_sampler_per_request():
         assert out[slot][:len(want)] == want, slot
 
 
-@pytest.mark.parametrize("rule,proposer", [("standard", "draft"), ("nsd", "prompt_lookup")])
+@pytest.mark.parametrize("rule,proposer", [("nsd", "draft"),
+                                           pytest.param("standard", "prompt_lookup", marks=pytest.mark.slow)])
 def test_speculative_engine_matches_the_sampler_per_request(rule, proposer):
     from relf_jax.sampling import autoregressive as ar
     from relf_jax.speculative import generate as spec
@@ -90,16 +91,17 @@ def test_block_diffusion_engine_matches_the_decoder():
     lm = tiny_lm("bd", max_seq_len=64)
     eng = E.BlockDiffusionEngine(lm, 2, threshold=0.5)
     d = lm.model_cfg.block_size
-    for temperature in (0.0, 1.0):
-        jobs = [(1, PROMPTS[2], E.RequestParams(64, temperature, seed=9), 0),
-                (0, PROMPTS[1], E.RequestParams(64, temperature, seed=2), 1)]
-        out = _run(eng, jobs, steps=4)
-        for slot, prompt, p, at in jobs:
-            settings = decode_settings(lm, max_blocks=4 - at, threshold=0.5, temperature=temperature)
-            arr, plen = bdd.pad_prompts([prompt], 0, d)
-            st = bdd.generate(lm.graphdef, lm.params, jnp.asarray(arr), jnp.asarray(plen), settings,
-                              jax.random.key(p.seed))
-            assert out[slot] == bdd.outputs(st, plen)[0], (slot, temperature)
+    # sampled tokens (a traced temperature per slot); the second request joins a step later
+    jobs = [(1, PROMPTS[2], E.RequestParams(64, 1.0, seed=9), 0), (0, PROMPTS[1], E.RequestParams(64, 1.0, seed=2), 1)]
+    out = _run(eng, jobs, steps=4)
+    settings = decode_settings(lm, max_blocks=4, threshold=0.5, temperature=1.0)
+    for slot, prompt, p, at in jobs:
+        arr, plen = bdd.pad_prompts([prompt], 0, d)
+        st = bdd.generate(lm.graphdef, lm.params, jnp.asarray(arr), jnp.asarray(plen), settings,
+                          jax.random.key(p.seed))
+        want = bdd.outputs(st, plen)[0]
+        assert len(out[slot]) > 0 and out[slot] == want[:len(out[slot])], slot
+        assert len(out[slot]) == len(want) or len(out[slot]) >= (3 - at) * d  # a prefix only if cut by steps
 
 
 def test_relf_engine_holds_the_prompt_and_is_batch_independent():
