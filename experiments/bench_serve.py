@@ -52,7 +52,7 @@ class ServeBenchSizes:
     max_tokens: int = 64
     temperature: float = 1.0
     batch1_requests: int = 24
-    dws_requests: int = 160
+    dws_requests: int = 400
     dws_loads: tuple[float, ...] = (0.9, 1.2)
     dws_max_tokens: int = 96
     dws_aging_horizon: float = 100.0  # in mean service times (as bench dws)
@@ -166,7 +166,7 @@ class ServerProcess:
         self.port = s.getsockname()[1]
         s.close()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path, "w")
+        self.log = open(log_path, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen([sys.executable, "-m", "experiments.launch", "serve", "--port", str(self.port),
                                       "--log-level", "warning", *args], cwd=ROOT, stdout=self.log,
                                      stderr=subprocess.STDOUT)
@@ -189,7 +189,7 @@ class ServerProcess:
 
         total = 0.0
         for line in httpx.get(f"{self.base}/metrics", timeout=10).text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
+            if line.startswith((name + "{", name + " ")):
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
@@ -313,13 +313,13 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
     # --- 3: FCFS vs SJF-DWS on the block-diffusion engine, one slot
     predictor_dir, dws_report = _ensure_dws(workdir, quick)
     bd_dir = os.path.join(workdir, "dws")
-    cost = WorkloadCost(predictor_dir, dws_report)
+    cost = WorkloadCost(workflows.load_model(predictor_dir, "dws"), dws_report)
     bd_tok = workflows.load_model(bd_dir, "bd").tokenizer
     dws_prompts = prompts[:sz.dws_requests]
     predicted = np.asarray([cost([bd_tok.bos_id] + bd_tok.encode(p.text))["dws_cost"] for p in dws_prompts])
     dbodies = _bodies(dws_prompts, "m", max_tokens=sz.dws_max_tokens, temperature=0.0, seed=sz.seed)
-    cal, loads = None, {}
-    for policy in ("fcfs", "sjf"):
+    cal, loads, service, first = None, {}, np.zeros(0), np.zeros(0)
+    for policy in ("fcfs", "sjf"):  # fcfs first: its server also times every prompt alone
         args = ["--workdir", bd_dir, "--generator", "bd", "--slots", "1", "--model-name", "m", "--policy", policy,
                 "--max-queue", str(4 * sz.dws_requests)]
         if policy == "sjf":

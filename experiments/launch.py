@@ -308,8 +308,9 @@ def _serve(args) -> int:
         if not (args.dws_predictor and args.dws_cost_model):
             from relf_jax.errors import UserError
             raise UserError("--dws-predictor and --dws-cost-model go together")
+        from relf_jax import workflows
         from relf_jax.dws.predictor import WorkloadCost
-        cost_fn = WorkloadCost(args.dws_predictor, args.dws_cost_model)
+        cost_fn = WorkloadCost(workflows.load_model(args.dws_predictor, "dws"), args.dws_cost_model)
     template = ChatTemplate.from_file(args.chat_template) if args.chat_template else None
     models = build_models(args.workdir, args.generator or ["ar"], model_name=args.model_name, slots=args.slots,
                           max_queue=args.max_queue, policy=args.policy, aging=args.aging, template=template,

@@ -110,7 +110,7 @@ def test_cancel_frees_the_slot_at_once():
     t0 = time.monotonic()
     short = Collect()
     b.submit(_req("hi"), short)
-    text, ev = short.result(timeout=5)
+    text, _ev = short.result(timeout=5)
     assert text == "hi" and time.monotonic() - t0 < 1.0
     assert long.result()[1].finish_reason == "cancelled"
     b.stop()

@@ -2,7 +2,6 @@
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -49,7 +48,7 @@ def test_openai_client_chat_stream_usage_stop_and_seed(server):
             usage = chunk.usage
     assert "".join(pieces) == "hello" and finish == "stop" and usage.completion_tokens >= 5
     # a real model: the same seed gives the same reply, streamed or not; max_tokens bounds it
-    kw = dict(model="tiny", messages=USER, temperature=1.0, max_tokens=12)
+    kw = {"model": "tiny", "messages": USER, "temperature": 1.0, "max_tokens": 12}
     a = client.chat.completions.create(seed=7, **kw)
     b = client.chat.completions.create(seed=7, **kw)
     streamed = "".join(c.choices[0].delta.content or "" for c in

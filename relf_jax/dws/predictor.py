@@ -184,21 +184,21 @@ class WorkloadCost:
     """Predicted cost (seconds) of a request from its prompt alone: the surface predictor + a
     fitted `CostModel`. The serving scheduler ranks by it (``SJF(key="dws_cost")``).
 
-    predictor_dir: a trained "dws" predictor with the surface head (``.../predictor_*/surface``);
-    cost_model: a `CostModel`, its dict, or a JSON file holding one (``relf-jax bench dws``'s
-    output, whose "cost_model" entry is used).
+    predictor: a loaded "dws" model with the surface head (`relf_jax.checkpoint.LoadedModel`,
+    e.g. ``workflows.load_model(".../predictor_*/surface", "dws")``); cost_model: a
+    `CostModel`, its dict, or a JSON file holding one (``relf-jax bench dws``'s output, whose
+    "cost_model" entry is used).
     """
 
-    def __init__(self, predictor_dir: str, cost_model):
+    def __init__(self, predictor, cost_model):
         import json
 
-        from relf_jax import workflows
         from relf_jax.dws.cost_model import CostModel
         from relf_jax.errors import UserError
 
-        self.lm = workflows.load_model(predictor_dir, "dws")
+        self.lm = predictor
         if self.lm.model_cfg.predictor_head != "surface":
-            raise UserError(f"{predictor_dir} holds a {self.lm.model_cfg.predictor_head!r} predictor; "
+            raise UserError(f"the predictor has the {self.lm.model_cfg.predictor_head!r} head; "
                             "the DWS cost needs the surface head")
         if isinstance(cost_model, str):
             with open(cost_model) as f:

@@ -135,7 +135,7 @@ class Batcher:
 
     # ------------------------------------------------------------------ public API
 
-    def start(self) -> "Batcher":
+    def start(self) -> Batcher:
         if self._thread is None:
             self._state = self.engine.init_state()
             self._thread = threading.Thread(target=self._run, name=f"batcher-{self.engine.name}", daemon=True)

@@ -26,7 +26,7 @@ import os
 import queue
 import secrets
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Self
 
 from relf_jax.errors import UserError
 from relf_jax.serving.batching import Batcher, Event, GenerationRequest
@@ -103,7 +103,7 @@ class ChatTemplate:
         return " ".join(p for p in parts if p)
 
     @classmethod
-    def from_file(cls, path: str) -> "ChatTemplate":
+    def from_file(cls, path: str) -> ChatTemplate:
         """A template from a ``.json`` marker file or a ``.jinja`` Jinja2 file."""
         if not os.path.isfile(path):
             raise UserError(f"chat template {path!r} is not a file")
@@ -173,7 +173,7 @@ class ChatModel:
 
     @classmethod
     def load(cls, workdir: str, generator: str = "ar", *, template: ChatTemplate | str | None = None,
-             slots: int = 4, **engine_kw) -> "ChatModel":
+             slots: int = 4, **engine_kw) -> ChatModel:
         """Load the checkpoint in `workdir` with `generator` (see `load_engine` for the choices)."""
         if isinstance(template, str):
             template = ChatTemplate.from_file(template)
@@ -195,7 +195,7 @@ class ChatModel:
         pieces = self._pieces(rid, events)
         return pieces if stream else "".join(pieces)
 
-    def _pieces(self, rid: str, events: "queue.SimpleQueue[Event]") -> Iterator[str]:
+    def _pieces(self, rid: str, events: queue.SimpleQueue[Event]) -> Iterator[str]:
         try:
             while True:
                 ev = events.get()
@@ -212,7 +212,7 @@ class ChatModel:
     def close(self) -> None:
         self.batcher.stop(drain=False)
 
-    def __enter__(self) -> "ChatModel":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

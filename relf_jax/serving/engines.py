@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.struct
 import jax
@@ -241,7 +241,7 @@ class AREngine(Engine):
     def free(self, state, slot):
         return self._jit_free(state, slot)
 
-    def _step_all(self, params, slots: "_Slot"):
+    def _step_all(self, params, slots: _Slot):
         ar, settings = self._ar, self._step_settings
 
         def one(st, sp):
@@ -598,7 +598,7 @@ class ByteTokenizer:
     ``<assistant>`` 5, byte b -> 6 + b."""
 
     pad_id, eos_id, bos_id, unk_id = 0, 1, 2, 3
-    MARKERS = {"<user>": 4, "<assistant>": 5}
+    MARKERS: ClassVar[dict[str, int]] = {"<user>": 4, "<assistant>": 5}
     vocab_size = 6 + 256
 
     def encode(self, text: str) -> list[int]:

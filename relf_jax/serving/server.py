@@ -34,10 +34,16 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from relf_jax.errors import UserError
-from relf_jax.serving.batching import Batcher, Event, GenerationRequest, QueueFull, ServerClosed
+from relf_jax.serving.batching import (
+    Batcher,
+    Event,
+    GenerationRequest,
+    QueueFull,
+    ServerClosed,
+)
 from relf_jax.serving.chat import ChatTemplate, encode_chat
 from relf_jax.serving.engines import Engine, RequestParams
 
@@ -135,7 +141,7 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
     class Message(BaseModel):
         model_config = ConfigDict(extra="allow")
         role: Literal["system", "user", "assistant"]
-        content: Union[str, list[dict[str, Any]]]
+        content: str | list[dict[str, Any]]
 
     class StreamOptions(BaseModel):
         include_usage: bool = False
@@ -143,26 +149,26 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
     class Common(BaseModel):
         model_config = ConfigDict(extra="allow")
         model: str = Field(..., examples=list(models))
-        temperature: Optional[float] = Field(None, ge=0, le=100)
-        top_p: Optional[float] = Field(None, gt=0, le=1)
-        max_tokens: Optional[int] = Field(None, ge=1)
-        stop: Optional[Union[str, list[str]]] = None
-        seed: Optional[int] = Field(None, ge=-(2 ** 63), le=2 ** 63 - 1)
+        temperature: float | None = Field(None, ge=0, le=100)
+        top_p: float | None = Field(None, gt=0, le=1)
+        max_tokens: int | None = Field(None, ge=1)
+        stop: str | list[str] | None = None
+        seed: int | None = Field(None, ge=-(2 ** 63), le=2 ** 63 - 1)
         stream: bool = False
-        stream_options: Optional[StreamOptions] = None
+        stream_options: StreamOptions | None = None
         n: int = Field(1, ge=1, le=1)
-        user: Optional[str] = None
-        generator: Optional[str] = None
-        speculative_k: Optional[int] = Field(None, ge=1)
-        nfe: Optional[int] = Field(None, ge=1)
+        user: str | None = None
+        generator: str | None = None
+        speculative_k: int | None = Field(None, ge=1)
+        nfe: int | None = Field(None, ge=1)
         priority: int = Field(0, ge=-(2 ** 31), le=2 ** 31 - 1)
 
     class ChatRequest(Common):
         messages: list[Message] = Field(..., min_length=1)
-        max_completion_tokens: Optional[int] = Field(None, ge=1)
+        max_completion_tokens: int | None = Field(None, ge=1)
 
     class CompletionRequest(Common):
-        prompt: Union[str, list[str]]
+        prompt: str | list[str]
 
     app = FastAPI(title="relf_jax", version="0.1.0",
                   description="OpenAI-compatible chat and completions over relf_jax generators.")
@@ -216,7 +222,7 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
             choice = match
         return choice[0]
 
-    def params_of(body: Common, max_tokens: Optional[int], default_max: int, served: ServedEngine) -> RequestParams:
+    def params_of(body: Common, max_tokens: int | None, default_max: int, served: ServedEngine) -> RequestParams:
         mt = max_tokens if max_tokens is not None else default_max
         try:
             return RequestParams(max_tokens=mt, temperature=1.0 if body.temperature is None else body.temperature,
@@ -248,7 +254,7 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
     async def run(request: Request, served: ServedEngine, req: GenerationRequest, *, chat: bool, stream: bool,
                   include_usage: bool, model: str):
         loop = asyncio.get_running_loop()
-        events: "asyncio.Queue[Event]" = asyncio.Queue()
+        events: asyncio.Queue[Event] = asyncio.Queue()
 
         def sink(ev: Event) -> None:
             loop.call_soon_threadsafe(events.put_nowait, ev)
@@ -272,7 +278,7 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
                 while True:
                     try:
                         ev = await asyncio.wait_for(events.get(), timeout=0.5)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         if await request.is_disconnected():
                             return None
                         continue
@@ -294,7 +300,7 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
 
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta: Optional[str], finish: Optional[str], first: bool = False) -> str:
+        def chunk(delta: str | None, finish: str | None, first: bool = False) -> str:
             if chat:
                 d: dict = {}
                 if first:
