@@ -9,16 +9,17 @@ a run reports p50/p99 of each, the mean latency, output tokens/s over the run, a
 
 Three comparisons, each side by side in one run:
 
-1. **AR vs NSD speculative engines** (same model, its distilled draft, `slots` slots, FCFS):
-   the same request stream at several rates, multiples of the AR engine's batch-1 request
-   rate; reports the NSD / AR ratio of output tokens/s at each rate.
+1. **AR vs NSD speculative engines** (same model, `slots` slots, FCFS; NSD with its distilled
+   draft and with the prompt-lookup proposer): the same request stream at several rates,
+   multiples of the AR engine's batch-1 request rate; reports each NSD / AR ratio of output
+   tokens/s at each rate.
 2. **Server overhead at batch 1**: requests sent one after another; the share of the
    client-measured end-to-end time that was not spent in engine prefill/steps (the server's
    ``relf_model_seconds_total`` counter, read from /metrics before and after).
 3. **FCFS vs SJF-DWS** on the block-diffusion engine with one slot (a non-preemptive server,
-   where the discrete-event simulator is exact): every prompt is first timed alone (batch 1),
-   then the same Poisson stream is served under each policy at loads around and above
-   saturation; the measured FCFS / SJF mean-latency ratio is reported next to the simulator's
+   where the discrete-event simulator is exact), both policies in one server process: every
+   prompt is first timed alone (batch 1), then the same Poisson stream is served under each
+   policy, twice, in the order FCFS, SJF, SJF, FCFS, at loads around and above saturation; the measured FCFS / SJF mean-latency ratio is reported next to the simulator's
    prediction from the batch-1 times (`relf_jax.serving.simulator`). SJF ranks by the DWS
    predictor's cost (`relf_jax.dws.predictor.WorkloadCost`, from ``relf-jax bench dws``).
 """
@@ -55,9 +56,14 @@ class ServeBenchSizes:
     dws_requests: int = 400
     dws_loads: tuple[float, ...] = (0.9, 1.2)
     dws_max_tokens: int = 96
-    dws_aging_horizon: float = 100.0  # in mean service times (as bench dws)
+    dws_aging_horizon: float = 100.0  # in mean predicted costs: one size spread gained per this many
     seed: int = 0
 
+
+# the engines compared on one request stream: name -> `relf-jax serve` arguments
+SPEC_ENGINES = (("ar", ["--generator", "ar"]),
+                ("nsd", ["--generator", "nsd", "--proposer", "draft"]),
+                ("nsd_lookup", ["--generator", "nsd", "--proposer", "prompt_lookup"]))
 
 QUICK = ServeBenchSizes(preset="tiny", requests=48, rate_factors=(1.0, 8.0), batch1_requests=8, dws_requests=48,
                         dws_loads=(1.2,), max_tokens=32, dws_max_tokens=48)
@@ -158,7 +164,7 @@ def _run_load(url: str, bodies: list[dict], arrivals: Sequence[float] | None) ->
 class ServerProcess:
     """`relf-jax serve ARGS` on a free 127.0.0.1 port; ready once /health answers."""
 
-    def __init__(self, args: list[str], log_path: str, ready_timeout_s: float = 900.0):
+    def __init__(self, args: list[str], log_path: str, ready_timeout_s: float = 900.0, child_spec: dict | None = None):
         import httpx
 
         s = socket.socket()
@@ -167,9 +173,13 @@ class ServerProcess:
         s.close()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen([sys.executable, "-m", "experiments.launch", "serve", "--port", str(self.port),
-                                      "--log-level", "warning", *args], cwd=ROOT, stdout=self.log,
-                                     stderr=subprocess.STDOUT)
+        if child_spec is None:
+            cmd = [sys.executable, "-m", "experiments.launch", "serve", "--port", str(self.port), "--log-level",
+                   "warning", *args]
+        else:
+            cmd = [sys.executable, "-c", ("import json, sys; from experiments.bench_serve import policies_server_child; "
+                   "policies_server_child(json.loads(sys.argv[1]))"), json.dumps({**child_spec, "port": self.port})]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + ready_timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -207,6 +217,21 @@ class ServerProcess:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def policies_server_child(spec: dict) -> None:
+    """A server with one block-diffusion engine per policy, as model ids "fcfs" and "sjf" (SJF on
+    the DWS predicted cost, with `spec["aging"]`): what `relf-jax serve --policy ...` builds, twice."""
+    from relf_jax import workflows
+    from relf_jax.dws.predictor import WorkloadCost
+    from relf_jax.serving.server import build_models, serve
+
+    cost = WorkloadCost(workflows.load_model(spec["predictor"], "dws"), spec["cost_model"])
+    models = {}
+    for policy in ("fcfs", "sjf"):
+        models.update(build_models(spec["workdir"], ["bd"], model_name=policy, slots=1, max_queue=spec["max_queue"],
+                                   policy=policy, aging=spec["aging"], cost_fn=cost if policy == "sjf" else None))
+    serve(models, host="127.0.0.1", port=spec["port"], log_level="warning")
 
 
 def _bodies(prompts, model: str, *, max_tokens: int, temperature: float, seed: int) -> list[dict]:
@@ -282,9 +307,9 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
     # --- 1 + 2: AR vs NSD, and batch-1 overhead
     common = ["--workdir", workdir, "--slots", str(sz.slots), "--k", str(sz.k), "--model-name", "m"]
     engines = {}
-    for gen in ("ar", "nsd"):
+    for gen, extra in SPEC_ENGINES:
         print(f"[bench serve] {gen} engine: starting the server", flush=True)
-        with ServerProcess([*common, "--generator", gen], os.path.join(logs, f"serve_{gen}.log")) as srv:
+        with ServerProcess([*common, *extra], os.path.join(logs, f"serve_{gen}.log")) as srv:
             url = f"{srv.base}/v1/chat/completions"
             b1 = _batch1(srv, _bodies(prompts[:sz.batch1_requests], "m", max_tokens=sz.max_tokens,
                                       temperature=sz.temperature, seed=sz.seed))
@@ -305,9 +330,11 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
             engines[gen] = {"batch1": {k: v for k, v in b1.items() if k != "records"}, "rates": runs,
                             "acceptance_length": acc}
     result["engines"] = engines
-    result["nsd_over_ar_tokens_per_s"] = {
-        f: engines["nsd"]["rates"][f]["output_tokens_per_s"] / engines["ar"]["rates"][f]["output_tokens_per_s"]
-        for f in engines["ar"]["rates"]}
+    for gen in engines:
+        if gen != "ar":
+            result[f"{gen}_over_ar_tokens_per_s"] = {
+                f: engines[gen]["rates"][f]["output_tokens_per_s"] / engines["ar"]["rates"][f]["output_tokens_per_s"]
+                for f in engines["ar"]["rates"]}
     result["overhead_share_batch1"] = {g: engines[g]["batch1"]["overhead_share"] for g in engines}
 
     # --- 3: FCFS vs SJF-DWS on the block-diffusion engine, one slot
@@ -317,32 +344,39 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
     bd_tok = workflows.load_model(bd_dir, "bd").tokenizer
     dws_prompts = prompts[:sz.dws_requests]
     predicted = np.asarray([cost([bd_tok.bos_id] + bd_tok.encode(p.text))["dws_cost"] for p in dws_prompts])
-    dbodies = _bodies(dws_prompts, "m", max_tokens=sz.dws_max_tokens, temperature=0.0, seed=sz.seed)
-    cal, loads, service, first = None, {}, np.zeros(0), np.zeros(0)
-    for policy in ("fcfs", "sjf"):  # fcfs first: its server also times every prompt alone
-        args = ["--workdir", bd_dir, "--generator", "bd", "--slots", "1", "--model-name", "m", "--policy", policy,
-                "--max-queue", str(4 * sz.dws_requests)]
-        if policy == "sjf":
-            aging = aging_for(predicted, sz.dws_aging_horizon * float(np.mean(service)))
-            args += ["--dws-predictor", predictor_dir, "--dws-cost-model", dws_report, "--aging", repr(aging)]
-        print(f"[bench serve] bd engine, {policy}: starting the server", flush=True)
-        with ServerProcess(args, os.path.join(logs, f"serve_bd_{policy}.log")) as srv:
-            url = f"{srv.base}/v1/chat/completions"
-            if cal is None:  # every prompt alone: the service times the simulator replays
-                cal = _batch1(srv, dbodies)
-                service = np.asarray([r["e2e"] for r in cal["records"]])
-                first = np.asarray([min(r["ttft"] or r["e2e"], r["e2e"]) for r in cal["records"]])
-                result["dws_batch1"] = {k: v for k, v in cal.items() if k != "records"}
-            for load in sz.dws_loads:
-                rate = load / float(np.mean(service))
-                arrivals = poisson_arrivals(rate, len(dbodies), sz.seed + 11)
-                res = _run_load(url, dbodies, arrivals)
-                loads.setdefault(f"{load:g}", {"rate_rps": rate, "arrivals": arrivals})[policy] = \
-                    summarize_run(res["records"], res["wall_s"])
-                s = loads[f"{load:g}"][policy]
-                print(f"[bench serve] bd {policy} load {load:g}: mean e2e {s['e2e_mean']:.3f} s, "
-                      f"errors {s['errors']}", flush=True)
-    aging = aging_for(predicted, sz.dws_aging_horizon * float(np.mean(service)))
+    # one server process holds both policies (model ids "fcfs" and "sjf", each its own engine and
+    # queue; only one is driven at a time), and the runs alternate ABBA: process-to-process and
+    # drift noise of this machine then hits both policies alike
+    aging = aging_for(predicted, sz.dws_aging_horizon * float(np.mean(predicted)))
+    spec = {"workdir": bd_dir, "predictor": predictor_dir, "cost_model": dws_report, "aging": aging,
+            "max_queue": 4 * sz.dws_requests}
+    loads = {}
+    print("[bench serve] bd engine, fcfs + sjf: starting the server", flush=True)
+    with ServerProcess([], os.path.join(logs, "serve_bd.log"), child_spec=spec) as srv:
+        url = f"{srv.base}/v1/chat/completions"
+        # every prompt alone: the service times the simulator replays
+        cal = _batch1(srv, _bodies(dws_prompts, "fcfs", max_tokens=sz.dws_max_tokens, temperature=0.0,
+                                   seed=sz.seed))
+        service = np.asarray([r["e2e"] for r in cal["records"]])
+        first = np.asarray([min(r["ttft"] or r["e2e"], r["e2e"]) for r in cal["records"]])
+        result["dws_batch1"] = {k: v for k, v in cal.items() if k != "records"}
+        for load in sz.dws_loads:
+            rate = load / float(np.mean(service))
+            arrivals = poisson_arrivals(rate, len(dws_prompts), sz.seed + 11)
+            entry = loads.setdefault(f"{load:g}", {"rate_rps": rate, "arrivals": arrivals})
+            runs = {"fcfs": [], "sjf": []}
+            for policy in ("fcfs", "sjf", "sjf", "fcfs"):
+                bodies = _bodies(dws_prompts, policy, max_tokens=sz.dws_max_tokens, temperature=0.0, seed=sz.seed)
+                res = _run_load(url, bodies, arrivals)
+                runs[policy].append(res)
+                one = summarize_run(res["records"], res["wall_s"])
+                print(f"[bench serve] bd {policy} load {load:g}: mean e2e {one['e2e_mean']:.3f} s, "
+                      f"wall {one['wall_s']:.1f} s, errors {one['errors']}", flush=True)
+            for policy, reps in runs.items():
+                entry[policy] = summarize_run([r for res in reps for r in res["records"]],
+                                              sum(res["wall_s"] for res in reps))
+                entry[policy]["rep_e2e_means"] = [summarize_run(res["records"], res["wall_s"])["e2e_mean"]
+                                                  for res in reps]
     for load, entry in loads.items():
         arrivals = entry.pop("arrivals")
         sim = {name: simulate(arrivals, service, first, {"dws_cost": predicted}, pol)
@@ -353,7 +387,7 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
     result["dws"] = {"predictor": predictor_dir, "cost_model_from": dws_report, "aging": aging, "loads": loads}
     result["wall_s"] = time.perf_counter() - t_start
     workflows.write_json(out, result)
-    print(json.dumps({"nsd_over_ar_tokens_per_s": result["nsd_over_ar_tokens_per_s"],
+    print(json.dumps({**{k: v for k, v in result.items() if k.endswith("_over_ar_tokens_per_s")},
                       "overhead_share_batch1": result["overhead_share_batch1"],
                       "dws": {k: {"measured": v["ratio_fcfs_over_sjf_measured"],
                                   "simulated": v["ratio_fcfs_over_sjf_simulated"]} for k, v in loads.items()}},
