@@ -2,12 +2,15 @@
 
 import contextlib
 import dataclasses
+import os
 import socket
 import threading
 import time
 
 import jax.numpy as jnp
 import numpy as np
+
+ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny_lm(family: str = "ar", seed: int = 0, **model_kw):
@@ -77,5 +80,3 @@ def mock_models(slots: int = 4, step_s: float = 0.0, max_queue: int = 64, name: 
     batcher = Batcher(engine, policy, max_queue=max_queue).start()
     return {name: [ServedEngine(engine, batcher, ChatTemplate(), "mock", {})]}
 
-
-ROOT_DIR = __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__)))
