@@ -12,7 +12,8 @@ Three comparisons, each side by side in one run:
 1. **AR vs NSD speculative engines** (same model, `slots` slots, FCFS; NSD with its distilled
    draft and with the prompt-lookup proposer): the same request stream at several rates,
    multiples of the AR engine's batch-1 request rate; reports each NSD / AR ratio of output
-   tokens/s at each rate.
+   tokens/s at each rate, and the replies' quality (NSD is lossy): gen PPL of each reply given
+   its prompt under the exact `synthetic_chat` judge, entropy, length.
 2. **Server overhead at batch 1**: requests sent one after another; the share of the
    client-measured end-to-end time that was not spent in engine prefill/steps (the server's
    ``relf_model_seconds_total`` counter, read from /metrics before and after).
@@ -94,7 +95,7 @@ def summarize_run(records: list[dict], wall_s: float) -> dict:
 async def _one(client, url: str, body: dict, at: float, t0: float) -> dict:
     await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
     sent = time.perf_counter()
-    rec = {"arrival": at, "ttft": None, "e2e": None, "tokens": 0, "error": None}
+    rec = {"arrival": at, "ttft": None, "e2e": None, "tokens": 0, "error": None, "text": "", "finish": None}
     try:
         async with client.stream("POST", url, json=body) as r:
             if r.status_code != 200:
@@ -118,8 +119,13 @@ async def _one(client, url: str, body: dict, at: float, t0: float) -> dict:
                     break
                 if obj.get("usage"):
                     rec["tokens"] = obj["usage"]["completion_tokens"]
-                if obj["choices"] and obj["choices"][0]["delta"].get("content") and rec["ttft"] is None:
-                    rec["ttft"] = time.perf_counter() - sent
+                piece = obj["choices"][0]["delta"].get("content") if obj["choices"] else None
+                if piece:
+                    rec["text"] += piece
+                    if rec["ttft"] is None:
+                        rec["ttft"] = time.perf_counter() - sent
+                if obj["choices"] and obj["choices"][0].get("finish_reason"):
+                    rec["finish"] = obj["choices"][0]["finish_reason"]
             if not done and rec["error"] is None:
                 rec["error"] = "stream ended without [DONE]"
     except Exception as e:  # noqa: BLE001 - a failed request is a measured error
@@ -244,6 +250,18 @@ def _bodies(prompts, model: str, *, max_tokens: int, temperature: float, seed: i
     return out
 
 
+def reply_quality(judge, prompts: Sequence[str], records: list[dict]) -> dict:
+    """Gen PPL of the replies given their prompts under the exact judge (reply words, scored as
+    a prefix: a reply may end where the next turn begins), mean unigram entropy and length."""
+    from relf_jax.eval.metrics import mean_unigram_entropy
+
+    ok = [(p, r["text"]) for p, r in zip(prompts, records) if r["error"] is None]
+    logp, n = judge.score_replies([p for p, _ in ok], [t for _, t in ok], [False] * len(ok))
+    return {"gen_ppl": float(np.exp(-logp.sum() / max(n.sum(), 1))),
+            "entropy": mean_unigram_entropy([judge.tokenize(t) for _, t in ok]),
+            "reply_words": float(np.mean([len(t.split()) for _, t in ok])), "replies": len(ok)}
+
+
 def _batch1(server: ServerProcess, bodies: list[dict]) -> dict:
     """Requests one after another: latency and the share of it spent outside the engine."""
     m0 = server.metric("relf_model_seconds_total")
@@ -293,7 +311,8 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
     workdir = workdir or os.path.join("runs", f"bench_serve_{sz.preset}")
     os.makedirs(workdir, exist_ok=True)
     t_start = time.perf_counter()
-    _ensure_models(workdir, sz.preset, overrides)
+    cfg = _ensure_models(workdir, sz.preset, overrides)
+    judge = workflows.exact_judge(cfg)
     tok = workflows.load_model(workdir, "ar").tokenizer
     n_all = max(sz.requests, sz.batch1_requests, sz.dws_requests)
     prompts = workload_prompts(tok, n_synthetic=int(n_all * 0.8) + 1, n_chatterbot=n_all // 5 + 1,
@@ -322,7 +341,9 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
                 rate = f * base_rate
                 arrivals = poisson_arrivals(rate, sz.requests, sz.seed + 7)
                 res = _run_load(url, bodies, arrivals)
-                runs[f"{f:g}"] = {"rate_rps": rate, **summarize_run(res["records"], res["wall_s"])}
+                runs[f"{f:g}"] = {"rate_rps": rate, **summarize_run(res["records"], res["wall_s"]),
+                                  "quality": reply_quality(judge, [p.text for p in prompts[:sz.requests]],
+                                                           res["records"])}
                 print(f"[bench serve] {gen} x{f:g} ({rate:.2f} req/s): "
                       f"{runs[f'{f:g}']['output_tokens_per_s']:.0f} tok/s, "
                       f"mean e2e {runs[f'{f:g}']['e2e_mean']:.2f} s, errors {runs[f'{f:g}']['errors']}", flush=True)

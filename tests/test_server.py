@@ -210,6 +210,8 @@ def test_bench_load_generator_against_the_mock_server():
         bodies.append({"model": "nope", "stream": True, "messages": USER})  # one error, counted
         res = _run_load(f"{base}/v1/chat/completions", bodies, poisson_arrivals(50.0, len(bodies), 0))
     s = summarize_run(res["records"], res["wall_s"])
+    assert [r["text"] for r in res["records"][:12]] == [f"request {i}"[:8] for i in range(12)]
+    assert {r["finish"] for r in res["records"][:12]} == {"length"}  # 9+ bytes + EOS > max_tokens 8
     assert s["requests"] == 13 and s["errors"] == 1 and s["error_kinds"] == ["HTTP 404"]
     assert s["output_tokens"] == sum(min(8, len(f"request {i}") + 1) for i in range(12))
     assert 0 < s["ttft_p50"] <= s["e2e_p50"] <= s["e2e_p99"] and s["output_tokens_per_s"] > 0
