@@ -40,6 +40,19 @@ def reply_ids(ids: Sequence[int] | np.ndarray, eos_id: int, pad_id: int, bos_id:
     return out
 
 
+def turn_stop_ids(tok) -> tuple[int, ...]:
+    """Token ids that end an assistant reply: EOS, plus the ``<user>`` marker that opens the
+    next turn when the tokenizer has it as a token of its own (either tokenizer class)."""
+    stops = [tok.eos_id]
+    try:
+        user = tok.piece_to_id("<user>")
+    except Exception:  # noqa: BLE001 - a tokenizer without the marker
+        user = None
+    if user is not None and user >= 0 and user not in (getattr(tok, "unk_id", -1), tok.eos_id, tok.pad_id):
+        stops.append(int(user))
+    return tuple(stops)
+
+
 def _training_lines(texts: Iterable[str | bytes]) -> Iterator[str]:
     """Yields whitespace-normalised, non-empty texts; raises if there are none."""
     seen = False

@@ -68,13 +68,11 @@ def workload_prompts(tok, *, n_synthetic: int, n_chatterbot: int, seed: int, max
 def decode_settings(lm, *, max_blocks: int, threshold: float = 0.95, temperature: float = 0.0,
                     block_size: int | None = None) -> BlockDecodeSettings:
     """Settings for a loaded "bd" model: its block size, stop at EOS or ``<user>``, greedy by default."""
+    from relf_jax.data.tokenizer import turn_stop_ids
+
     tok = lm.tokenizer
-    stops = [tok.eos_id]
-    user = tok.piece_to_id("<user>")
-    if user not in (tok.unk_id, tok.eos_id):
-        stops.append(user)
     return BlockDecodeSettings(block_size=block_size or lm.model_cfg.block_size, max_blocks=max_blocks,
-                               mask_id=lm.model_cfg.vocab_size, pad_id=tok.pad_id, stop_ids=tuple(stops),
+                               mask_id=lm.model_cfg.vocab_size, pad_id=tok.pad_id, stop_ids=turn_stop_ids(tok),
                                threshold=threshold, temperature=temperature)
 
 

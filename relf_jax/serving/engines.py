@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from relf_jax.data.tokenizer import turn_stop_ids
 from relf_jax.errors import UserError
 
 
@@ -142,24 +143,11 @@ class Engine(abc.ABC):
         self.free(state, 0)
 
 
-def stop_ids_for(tok) -> tuple[int, ...]:
-    """EOS, plus the ``<user>`` marker (the next turn) when the tokenizer has it as one token."""
-    stops = [tok.eos_id]
-    try:
-        user = tok.piece_to_id("<user>")
-    except Exception:  # noqa: BLE001 - a tokenizer without the marker
-        user = None
-    if user is not None and user >= 0 and user not in (getattr(tok, "unk_id", -1), tok.eos_id, tok.pad_id):
-        stops.append(int(user))
-    return tuple(stops)
+def bucket_for(length: int, limit: int) -> int:
+    """`relf_jax.sampling.autoregressive.prompt_bucket` (power of two), capped at `limit`."""
+    from relf_jax.sampling.autoregressive import prompt_bucket
 
-
-def bucket_for(length: int, limit: int, minimum: int = 8) -> int:
-    """Power-of-two padding for a prompt of `length` tokens, capped at `limit`."""
-    b = minimum
-    while b < length:
-        b *= 2
-    return max(length, min(b, limit))
+    return max(length, min(prompt_bucket(length), limit))
 
 
 def _set_slot(state, new, slot):
@@ -168,6 +156,19 @@ def _set_slot(state, new, slot):
 
 def _stack_slots(tree, n: int):
     return jax.tree.map(lambda x: jnp.broadcast_to(jnp.asarray(x)[None], (n,) + jnp.shape(x)).copy(), tree)
+
+
+def _first_token(st, prompt_len: int) -> tuple[int, bool]:
+    """The prefill's sampled token and done flag (batch of one), in one device-to-host copy."""
+    tok, done = jax.device_get((st.tokens[0, prompt_len], st.done[0]))
+    return int(tok), bool(done)
+
+
+def _free_slots(engine: Engine, state):
+    """`state` with every slot released (an engine's initial state from one stacked prefix)."""
+    for slot in range(engine.num_slots):
+        state = engine.free(state, slot)
+    return state
 
 
 def _key_data(seed: int):
@@ -196,7 +197,7 @@ class AREngine(Engine):
         self.lm, self.name, self.num_slots, self.top_k = lm, name, num_slots, top_k
         self.tokenizer = lm.tokenizer
         self.max_context = lm.model_cfg.max_seq_len
-        self.stop_ids = stop_ids_for(lm.tokenizer)
+        self.stop_ids = turn_stop_ids(lm.tokenizer)
         # the step never stops a slot on length (the server does, per request)
         self._step_settings = ar.DecodeSettings(max_new_tokens=self.max_context, eos_id=lm.tokenizer.eos_id,
                                                 pad_id=lm.tokenizer.pad_id)
@@ -213,27 +214,21 @@ class AREngine(Engine):
         return self._ar.SamplingParams(jnp.float32(p.temperature), jnp.int32(self.top_k), jnp.float32(p.top_p))
 
     def init_state(self):
-        prefix = self.prefill([self.tokenizer.bos_id], RequestParams(max_tokens=1, temperature=0.0))
-        state = _stack_slots(prefix.data, self.num_slots)
-        return self._jit_free_all(state)
-
-    def _jit_free_all(self, state):
-        for slot in range(self.num_slots):
-            state = self._jit_free(state, slot)
-        return state
+        return _free_slots(self, _stack_slots(self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data,
+                                              self.num_slots))
 
     def prefill(self, prompt, params):
         ar = self._ar
         bucket = bucket_for(len(prompt), self.max_context - 1)
         arr, lens = ar.pad_prompts([list(prompt)], self.tokenizer.pad_id, bucket)
+        sampling = self._sampling(params)
         t0 = time.perf_counter()
-        st = ar.prefill(self.lm.graphdef, self.lm.params, arr, lens, jax.random.key(params.seed),
-                        self._sampling(params), self._settings(bucket))
-        first = int(st.tokens[0, len(prompt)])
-        done = bool(st.done[0])
+        st = ar.prefill(self.lm.graphdef, self.lm.params, arr, lens, jax.random.key(params.seed), sampling,
+                        self._settings(bucket))
+        first, done = _first_token(st, len(prompt))
         model_s = time.perf_counter() - t0
-        data = _Slot(state=st, sampling=self._sampling(params))
-        return Prefix(data=data, tokens=[first], done=done or first in self.stop_ids, model_s=model_s)
+        return Prefix(data=_Slot(state=st, sampling=sampling), tokens=[first], done=done or first in self.stop_ids,
+                      model_s=model_s)
 
     def insert(self, prefix, state, slot):
         return self._jit_insert(state, prefix.data, slot)
@@ -298,7 +293,7 @@ class SpeculativeEngine(Engine):
         self.max_context = lm.model_cfg.max_seq_len
         if self.draft is not None:
             self.max_context = min(self.max_context, self.draft.model_cfg.max_seq_len)
-        self.stop_ids = stop_ids_for(lm.tokenizer)
+        self.stop_ids = turn_stop_ids(lm.tokenizer)
         self.tokens_per_step = k + 1
         self._step_settings = self._settings(self.max_context)
         self._jit_step = jax.jit(self._step_all, donate_argnums=(2,))
@@ -322,11 +317,8 @@ class SpeculativeEngine(Engine):
         return (self.draft.graphdef, self.draft.params) if self.draft is not None else (None, None)
 
     def init_state(self):
-        prefix = self.prefill([self.tokenizer.bos_id], RequestParams(max_tokens=1, temperature=0.0))
-        state = _stack_slots(prefix.data, self.num_slots)
-        for slot in range(self.num_slots):
-            state = self._jit_free(state, slot)
-        return state
+        return _free_slots(self, _stack_slots(self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data,
+                                              self.num_slots))
 
     def prefill(self, prompt, params):
         from relf_jax.sampling import autoregressive as ar
@@ -334,14 +326,14 @@ class SpeculativeEngine(Engine):
         bucket = bucket_for(len(prompt), self.max_context - self.reserve() - 1)
         arr, lens = ar.pad_prompts([list(prompt)], self.tokenizer.pad_id, bucket)
         dg, dp = self._draft_parts()
+        sp = self._params(params)
         t0 = time.perf_counter()
-        st = _spec_prefill(self.lm.graphdef, self.lm.params, dg, dp, arr, lens, jax.random.key(params.seed),
-                           self._params(params), self._settings(self.max_context - bucket - self.k - 1))
-        first = int(st.tokens[0, len(prompt)])
-        done = bool(st.done[0])
+        st = _spec_prefill(self.lm.graphdef, self.lm.params, dg, dp, arr, lens, jax.random.key(params.seed), sp,
+                           self._settings(self.max_context - bucket - self.k - 1))
+        first, done = _first_token(st, len(prompt))
         model_s = time.perf_counter() - t0
-        return Prefix(data=_Slot(state=st, sampling=self._params(params)), tokens=[first],
-                      done=done or first in self.stop_ids, model_s=model_s)
+        return Prefix(data=_Slot(state=st, sampling=sp), tokens=[first], done=done or first in self.stop_ids,
+                      model_s=model_s)
 
     def insert(self, prefix, state, slot):
         return self._jit_insert(state, prefix.data, slot)
@@ -410,7 +402,7 @@ class BlockDiffusionEngine(Engine):
         d = lm.model_cfg.block_size
         self.block_size = d
         self.max_context = (lm.model_cfg.max_seq_len // d) * d
-        self.stop_ids = stop_ids_for(lm.tokenizer)
+        self.stop_ids = turn_stop_ids(lm.tokenizer)
         self.tokens_per_step = d
         self.settings = bdd.BlockDecodeSettings(block_size=d, max_blocks=1, mask_id=mask_id(lm.model_cfg),
                                                 pad_id=lm.tokenizer.pad_id, stop_ids=self.stop_ids,
@@ -423,10 +415,8 @@ class BlockDiffusionEngine(Engine):
         return self.block_size  # the last block may run past max_tokens
 
     def init_state(self):
-        state = _stack_slots(self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data, self.num_slots)
-        for slot in range(self.num_slots):
-            state = self._jit_free(state, slot)
-        return state
+        return _free_slots(self, _stack_slots(self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data,
+                                              self.num_slots))
 
     def prefill(self, prompt, params):
         bdd, d = self._bdd, self.block_size
@@ -528,7 +518,7 @@ class ReLFEngine(Engine):
         self.tokenizer = lm.tokenizer
         self.length = lm.cfg.data.seq_len
         self.max_context = self.length
-        self.stop_ids = stop_ids_for(lm.tokenizer)
+        self.stop_ids = turn_stop_ids(lm.tokenizer)
         self.tokens_per_step = self.length
         self._jit_step = jax.jit(self._step_all, donate_argnums=(1,))
         self._jit_insert = jax.jit(_set_slot, donate_argnums=(0,))
