@@ -14,7 +14,10 @@ conversations (unconditional, up to ``seq_len`` tokens) from both:
   and a guidance-scale sweep (1, 1.3, 1.7, 2.5) on the full-budget model;
 - latency of one sequence of ``seq_len`` tokens at batch 1 and 64: AR with its KV cache vs
   ReLF at 16 NFE, and their ratio;
-- straightness of each reflow round's coupling before and after training on it.
+- straightness of each reflow round's coupling before and after training on it;
+- a reference row with no model at all: every position drawn independently from the training
+  documents' token frequencies at that position (`positional_unigram_samples`). A flow model
+  whose samples score no better has learned nothing beyond per-position statistics.
 
 Rows carry ``method, nfe, reflow_rounds, gen_ppl, entropy, latency_s, batch`` (+ the budget
 and variant); ``targets`` restates the issue's targets as measured ratios.
@@ -52,7 +55,7 @@ def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overri
     base = make_config(preset, list(overrides), workdir=os.path.join(root, "shared"))
     # one data set and tokenizer for every model of the run
     builder = workflows.prepare_data(base)
-    workflows.prepare_tokenizer(base, builder)
+    tok = workflows.prepare_tokenizer(base, builder)
     judge = workflows.exact_judge(base)
     n = 32 if quick else 64
     temps = QUICK_AR_TEMPERATURES if quick else AR_TEMPERATURES
@@ -69,6 +72,8 @@ def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overri
               f"reflow {row['reflow_rounds']}: gen PPL {ppl}  entropy {row['entropy']:.2f}  "
               f"{row['latency_s'] * 1e3:8.1f} ms/batch", flush=True)
 
+    uni = positional_unigram_samples(builder, tok, n, base.data.seq_len)
+    record(_row(uni, judge, method="positional unigram", nfe=None, reflow_rounds=0, steps=0, variant="reference"))
     for steps in budgets:
         wd = _workdir(root, f"steps{steps}", base)
         cfg = make_config(preset, [*overrides, f"train.steps={steps}"], workdir=wd)
@@ -128,6 +133,26 @@ def _workdir(root: str, name: str, base) -> str:
     if not os.path.exists(tok):
         shutil.copy(os.path.join(base.workdir, "tokenizer.model"), tok)
     return wd
+
+
+def positional_unigram_samples(builder, tok, n: int, length: int, *, docs: int = 5000, seed: int = 0):
+    """`n` rows of `length` tokens, each position drawn independently from the token frequencies
+    at that position in (up to `docs`) training documents laid out as ReLF's training rows
+    (BOS, the conversation, EOS, then pad), decoded like ReLF samples."""
+    import itertools
+
+    from relf_jax import workflows
+    from relf_jax.data import sources
+
+    counts = np.zeros((length, tok.vocab_size), np.float64)
+    cols = np.arange(length)
+    for text in itertools.islice(sources.iter_texts(builder, "train"), docs):
+        ids = ([tok.bos_id] + tok.encode(text) + [tok.eos_id] + [tok.pad_id] * length)[:length]
+        counts[cols, ids] += 1
+    cdf = np.cumsum(counts / counts.sum(1, keepdims=True), axis=1)
+    u = np.random.default_rng(seed).random((n, length, 1))
+    rows = np.minimum((u > cdf[None]).sum(-1), tok.vocab_size - 1)
+    return workflows.samples_from_rows(tok, rows)
 
 
 def _row(samples, judge, *, method, nfe, reflow_rounds, steps, variant, batch: int = 8, **extra) -> dict:
@@ -214,6 +239,12 @@ def targets(rows: Sequence[dict], budgets: Sequence[int]) -> dict:
         out[f"steps{steps}_relf64_vs_ar_at_matched_entropy"] = {
             "relf_gen_ppl": r64["gen_ppl"], "relf_entropy": r64["entropy"], "ar_gen_ppl_interpolated": ppl,
             "entropy_outside_ar_sweep_nats": gap, "ratio": _ratio(r64["gen_ppl"], ppl), "target": "<= 1.15"}
+    uni = _pick(rows, variant="reference", method="positional unigram")
+    if uni is not None:
+        pre = [r for r in rows if r["variant"] == "relf" and r["reflow_rounds"] == 0]
+        out["relf_over_positional_unigram_gen_ppl"] = {
+            "positional_unigram": {"gen_ppl": uni["gen_ppl"], "entropy": uni["entropy"]},
+            "best_relf_ratio": min((_ratio(r["gen_ppl"], uni["gen_ppl"]) for r in pre if r["gen_ppl"]), default=None)}
     full = budgets[0]
     pre64 = _pick(rows, variant="relf", train_steps=full, nfe=64, reflow_rounds=0)
     e16 = _pick(rows, variant="relf", train_steps=full, nfe=16, reflow_rounds=2, method="relf euler")

@@ -126,6 +126,8 @@ class FlowConfig:
     # better than sqrt(32) on the cpu preset (64-NFE stochastic gen PPL 564 vs 638, longer samples)
     embed_norm: float = 1.5
     smoothing: float = 1e-3  # added to co-occurrence counts (Hellinger-SVD)
+    # Hellinger-SVD counts the tokens up to `window` positions after each token (1 = next token)
+    window: int = 1
     residual_bound: float = 10.0  # c in c * tanh(f / c)
     use_singular: bool = True  # False: the ablation without singular logits
     t_eps: float = 1e-4

@@ -125,7 +125,7 @@ def flow_embeddings(cfg: Config, builder, tok: Tokenizer, model_dir: str) -> np.
         tail = [tok.pad_id, tok.pad_id] if row_mode(cfg) == "documents" else []
         rows = [[tok.bos_id] + tok.encode(t) + [tok.eos_id] + tail
                 for t in itertools.islice(sources.iter_texts(builder, "train"), EMBEDDING_DOCS)]
-        table = emb.hellinger_svd_embeddings(emb.cooccurrence_sparse(rows, v), d, smoothing=cfg.flow.smoothing,
+        table = emb.hellinger_svd_embeddings(emb.cooccurrence_sparse(rows, v, cfg.flow.window), d, smoothing=cfg.flow.smoothing,
                                              norm=norm)
     elif cfg.flow.embeddings == "gaussian":
         table = emb.gaussian_embeddings(v, d, seed=cfg.train.seed, norm=norm)
@@ -208,9 +208,8 @@ def sample_relf(lm: "LoadedModel", n: int, *, nfe: Optional[int] = None, sampler
     def run(params, key, table):
         return _relf_tokens(lm.graphdef, params, key, table, settings=settings, batch=bs, length=length)
 
-    tok = lm.tokenizer
     key = jax.random.key(seed)
-    texts, token_ids, complete, seconds, total = [], [], [], 0.0, 0
+    rows, seconds = [], 0.0
     for start in range(0, n, bs):
         key, sub = jax.random.split(key)
         if warmup and start == 0:
@@ -218,19 +217,27 @@ def sample_relf(lm: "LoadedModel", n: int, *, nfe: Optional[int] = None, sampler
         t0 = time.perf_counter()
         out = np.asarray(jax.block_until_ready(run(lm.params, sub, table)))
         seconds += time.perf_counter() - t0
-        for row in out[: min(bs, n - start)]:
-            ids = row.tolist()
-            if ids and ids[0] == tok.bos_id:
-                ids = ids[1:]
-            done = tok.eos_id in ids
-            body = ids[: ids.index(tok.eos_id)] if done else ids
-            body = [i for i in body if i not in (tok.pad_id, tok.bos_id)]
-            total += len(body) + int(done)
-            token_ids.append(body)
-            complete.append(done)
-            texts.append(tok.decode(body))
+        rows.extend(out[: min(bs, n - start)])
+    return samples_from_rows(lm.tokenizer, rows, seconds=seconds, target_forwards=settings.nfe * len(rows))
+
+
+def samples_from_rows(tok: Tokenizer, rows, *, seconds: float = 0.0, target_forwards: int = 0) -> "Samples":
+    """Whole generated rows (token ids from position 0, as ReLF writes them) as `Samples`: a
+    leading BOS dropped, cut at the first EOS (complete) and pad / BOS ids removed."""
+    texts, token_ids, complete, total = [], [], [], 0
+    for row in rows:
+        ids = [int(i) for i in row]
+        if ids and ids[0] == tok.bos_id:
+            ids = ids[1:]
+        done = tok.eos_id in ids
+        body = ids[: ids.index(tok.eos_id)] if done else ids
+        body = [i for i in body if i not in (tok.pad_id, tok.bos_id)]
+        total += len(body) + int(done)
+        token_ids.append(body)
+        complete.append(done)
+        texts.append(tok.decode(body))
     return Samples(texts=texts, token_ids=token_ids, complete=complete, seconds=seconds, tokens=total,
-                   target_forwards=settings.nfe * len(texts))
+                   target_forwards=target_forwards)
 
 
 def reflow(workdir: str, rounds: int = 2, *, num_pairs: int = 512, rollout_nfe: int = 64,

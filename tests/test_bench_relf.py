@@ -46,3 +46,31 @@ def test_targets_ratios():
     assert t["ablations_vs_relf64"]["guidance_1.3"]["gen_ppl_over_baseline"] == pytest.approx(1.0)
     assert t["renoise_marginal_over_linear"]["entropy_delta"] == pytest.approx(0.2)
     assert math.isfinite(t["renoise_marginal_over_linear"]["gen_ppl"])
+
+
+def test_targets_compare_relf_with_the_positional_unigram_reference():
+    rows = [_ar(2.0, 20.0, 10), _ar(4.0, 80.0, 10), _ar(2.0, 40.0, 5), _ar(4.0, 160.0, 5),
+            _relf(10, 64, 0, 400.0), _relf(10, 8, 0, 600.0), _relf(5, 64, 0, 500.0), _relf(10, 8, 2, 300.0),
+            {"variant": "reference", "method": "positional unigram", "train_steps": 0, "nfe": None,
+             "reflow_rounds": 0, "gen_ppl": 500.0, "entropy": 3.0}]
+    t = targets(rows, (10, 5))["relf_over_positional_unigram_gen_ppl"]
+    assert t["positional_unigram"]["gen_ppl"] == 500.0
+    assert t["best_relf_ratio"] == pytest.approx(0.8)  # before reflow only: 400 / 500
+
+
+def test_positional_unigram_samples_follow_each_positions_frequencies(monkeypatch):
+    from experiments import bench_relf
+    from relf_jax.data import sources
+    from relf_jax.serving.engines import ByteTokenizer
+
+    docs = ["ab"] * 3 + ["cd"]
+    monkeypatch.setattr(sources, "iter_texts", lambda builder, split: iter(docs))
+    tok = ByteTokenizer()
+    s = bench_relf.positional_unigram_samples(None, tok, 2000, 6)
+    # rows BOS x y EOS pad pad: each position independent, 'a'/'c' at 3:1, 'b'/'d' at 3:1
+    counts = {}
+    for text in s.texts:
+        counts[text] = counts.get(text, 0) + 1
+    assert set(counts) <= {"ab", "ad", "cb", "cd"} and all(s.complete)
+    assert counts["ab"] / 2000 == pytest.approx(0.75 * 0.75, abs=0.04)
+    assert counts["cb"] / 2000 == pytest.approx(0.25 * 0.75, abs=0.04)

@@ -347,6 +347,83 @@ def test_stochastic_sampler_last_step_is_deterministic():
 
 
 
+def _mixture_denoiser(seqs, probs, e):
+    """The exact residual of a data distribution that is a mixture of whole sequences.
+
+    p(sequence k | Z_t) is proportional to pi_k prod_l N(Z_l; t E[w_kl], (1 - t)^2 I), whose log is
+    the singular logits summed along the sequence; the token posterior at each position follows,
+    and the residual is log p(w at l | Z_t) - s(Z_t, t). With a (numerically) unbounded c the
+    samplers then integrate the exact probability flow of the mixture.
+    """
+    onehot = jax.nn.one_hot(jnp.asarray(seqs), e.shape[0])  # [K, L, V]
+    log_pi = jnp.log(jnp.asarray(probs, jnp.float32))
+
+    def residual(z, t, sc):
+        s = singular.singular_logits(z, t, e)
+        post = jax.nn.softmax(jnp.einsum("blv,klv->bk", s, onehot) + log_pi, axis=-1)
+        return jnp.log(jnp.einsum("bk,klv->blv", post, onehot) + 1e-30) - s
+
+    return residual
+
+
+def _sequence_frequencies(tokens, seqs):
+    match = (np.asarray(tokens)[:, None, :] == np.asarray(seqs)[None]).all(-1)
+    return match.any(1).mean(), match.mean(0)
+
+
+def test_samplers_reproduce_the_data_distribution_with_the_exact_denoiser():
+    """Statistical exactness: with the exact posterior of a 5-sequence mixture, the Euler ODE and
+    the stochastic sampler with marginal renoise return the mixture's sequences at its weights
+    (total variation < 0.04 over 4,000 samples; the sampling noise alone is about 0.012).
+    The "linear" renoise (methods.md's literal Z' = aZ + (1 - a) eps) adds too little noise and is
+    mode-seeking: the same check must flag it, which also shows the check can fail."""
+    vocab, length, dim, n = 12, 6, 8, 4000
+    rng = np.random.default_rng(0)
+    e = rng.standard_normal((vocab, dim))
+    e = jnp.asarray(1.5 * e / np.linalg.norm(e, axis=1, keepdims=True), jnp.float32)
+    seqs = rng.integers(0, vocab, size=(5, length))
+    probs = np.array([0.4, 0.25, 0.15, 0.12, 0.08])
+    residual = _mixture_denoiser(seqs, probs, e)
+    c = 1e8  # c tanh(f / c) == f to float32 precision at these logit sizes
+
+    def tv_of(**kw):
+        settings = samplers.FlowSamplerSettings(nfe=64, c=c, **kw)
+        tokens, _ = jax.jit(lambda k: samplers.sample(k, residual, e, settings, batch=n, length=length))(
+            jax.random.key(0))
+        valid, freq = _sequence_frequencies(tokens, seqs)
+        assert valid == 1.0, kw  # every sample is one of the data sequences
+        return 0.5 * np.abs(freq - probs).sum()
+
+    assert tv_of(sampler="euler") < 0.04
+    assert tv_of(sampler="stochastic", renoise="marginal") < 0.04
+    assert tv_of(sampler="stochastic", renoise="linear") > 0.1
+
+
+def test_known_positions_are_returned_exactly():
+    """Prompt conditioning (`known=`) returns the prompt tokens at the known positions. It holds
+    those positions on their interpolation path ("replacement"), which is an approximation: with
+    the exact mixture denoiser some samples continue a sequence the prompt rules out (7-8 % of
+    4,000 samples at 64 NFE, Euler and stochastic), so only the prompt tokens and the ordering of
+    the consistent continuations are asserted (README, ReLF section)."""
+    vocab, length, dim, n = 12, 6, 8, 512
+    rng = np.random.default_rng(0)
+    e = rng.standard_normal((vocab, dim))
+    e = jnp.asarray(1.5 * e / np.linalg.norm(e, axis=1, keepdims=True), jnp.float32)
+    seqs = rng.integers(0, vocab, size=(5, length))
+    seqs[2, :2] = seqs[0, :2]
+    residual = _mixture_denoiser(seqs, [0.4, 0.25, 0.15, 0.12, 0.08], e)
+    mask = jnp.zeros((n, length), bool).at[:, :2].set(True)
+    x1 = jnp.broadcast_to(e[jnp.asarray(seqs[0])], (n, length, dim))
+    for kind in samplers.SAMPLERS:
+        settings = samplers.FlowSamplerSettings(nfe=32, c=1e8, sampler=kind, renoise="marginal")
+        tokens, _ = jax.jit(lambda k, s=settings: samplers.sample(k, residual, e, s, batch=n, length=length,
+                                                                  known=(mask, x1)))(jax.random.key(1))
+        tokens = np.asarray(tokens)
+        np.testing.assert_array_equal(tokens[:, :2], np.broadcast_to(seqs[0, :2], (n, 2)))
+        _, freq = _sequence_frequencies(tokens, seqs)
+        assert freq[0] > freq[2] > 0.1 and freq[1] == freq[3] == freq[4] == 0.0
+
+
 def test_settings_validation():
     with pytest.raises(ValueError):
         samplers.FlowSamplerSettings(nfe=0)
