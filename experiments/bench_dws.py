@@ -147,7 +147,9 @@ def bench_dws(out: str, quick: bool = False, workdir: str | None = None, overrid
     pcfg = make_config(preset, ["train.learning_rate=2e-3", "train.warmup_steps=20", "train.log_every=50",
                                 f"train.batch_size={sz.predictor_batch}"], workdir=workdir)
     # predictors resume from their checkpoints, so their directory names the data they train on
-    pred_dir = os.path.join(workdir, f"predictor_n{sz.n_train}_c{sz.coarse_steps}_f{sz.fine_steps}")
+    # (and the stop tokens: the same prompts decode to other workloads under other stops)
+    stops = "-".join(map(str, settings.stop_ids))
+    pred_dir = os.path.join(workdir, f"predictor_n{sz.n_train}_c{sz.coarse_steps}_f{sz.fine_steps}_stop{stops}")
     predicted = {}  # head -> (probe predictions, test predictions)
     train_s = {}
     for head in ("surface", "length", "steps"):

@@ -512,9 +512,10 @@ def sample_bd(lm: LoadedModel, prompts: Optional[Sequence[str]] = None, n: Optio
     d = lm.model_cfg.block_size
     settings = decode_settings(lm, max_blocks=-(-sc.max_new_tokens // d), threshold=sc.threshold,
                                temperature=sc.temperature)
-    if not all(prompts):  # a fresh conversation starts with <user>: only EOS ends it
-        settings = dataclasses.replace(settings, stop_ids=settings.stop_ids[:1])
     tok = lm.tokenizer
+    if not all(prompts):  # a fresh conversation starts with <user>: only EOS (or pad) ends it
+        settings = dataclasses.replace(settings, stop_ids=tuple(i for i in settings.stop_ids
+                                                                if i in (tok.eos_id, tok.pad_id)))
     ids = [encode_prompt(tok, p) for p in prompts]
     bucket = bdd.prompt_bucket(max(len(x) for x in ids), d)
     bs = sc.batch_size

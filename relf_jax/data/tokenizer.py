@@ -40,9 +40,14 @@ def reply_ids(ids: Sequence[int] | np.ndarray, eos_id: int, pad_id: int, bos_id:
     return out
 
 
-def turn_stop_ids(tok) -> tuple[int, ...]:
+def turn_stop_ids(tok, *, pad: bool = False) -> tuple[int, ...]:
     """Token ids that end an assistant reply: EOS, plus the ``<user>`` marker that opens the
-    next turn when the tokenizer has it as a token of its own (either tokenizer class)."""
+    next turn when the tokenizer has it as a token of its own (either tokenizer class).
+
+    pad=True adds the pad id (when distinct from EOS): for models trained on document rows
+    (BOS, the conversation, EOS, then pad), where pad only ever follows the end of a
+    conversation, a pad means the reply is over. Block diffusion uses it; without it, a model
+    that writes pad instead of EOS decodes pad blocks up to its block limit."""
     stops = [tok.eos_id]
     try:
         user = tok.piece_to_id("<user>")
@@ -50,6 +55,9 @@ def turn_stop_ids(tok) -> tuple[int, ...]:
         user = None
     if user is not None and user >= 0 and user not in (getattr(tok, "unk_id", -1), tok.eos_id, tok.pad_id):
         stops.append(int(user))
+    pad_id = getattr(tok, "pad_id", -1)
+    if pad and pad_id is not None and pad_id >= 0 and pad_id not in stops:
+        stops.append(int(pad_id))
     return tuple(stops)
 
 

@@ -402,7 +402,7 @@ class BlockDiffusionEngine(Engine):
         d = lm.model_cfg.block_size
         self.block_size = d
         self.max_context = (lm.model_cfg.max_seq_len // d) * d
-        self.stop_ids = turn_stop_ids(lm.tokenizer)
+        self.stop_ids = turn_stop_ids(lm.tokenizer, pad=True)
         self.tokens_per_step = d
         self.settings = bdd.BlockDecodeSettings(block_size=d, max_blocks=1, mask_id=mask_id(lm.model_cfg),
                                                 pad_id=lm.tokenizer.pad_id, stop_ids=self.stop_ids,
