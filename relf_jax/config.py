@@ -209,6 +209,7 @@ class Config:
         _check(fl.residual_bound > 0 and fl.t_eps > 0 and fl.nfe >= 1 and fl.embed_norm >= 0,
                "flow.residual_bound, flow.t_eps, flow.nfe must be > 0 and flow.embed_norm >= 0")
         _check(0 <= fl.self_condition_prob <= 1, "flow.self_condition_prob must be in [0, 1]")
+        _check(fl.window >= 1, "flow.window (the Hellinger co-occurrence window) must be >= 1")
         sp = self.speculative
         _check(sp.k >= 1, f"speculative.k must be >= 1, got {sp.k}")
         _check(0 < sp.nsd_top_p <= 1, f"speculative.nsd_top_p must be in (0, 1], got {sp.nsd_top_p}")

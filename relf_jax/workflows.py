@@ -125,8 +125,8 @@ def flow_embeddings(cfg: Config, builder, tok: Tokenizer, model_dir: str) -> np.
         tail = [tok.pad_id, tok.pad_id] if row_mode(cfg) == "documents" else []
         rows = [[tok.bos_id] + tok.encode(t) + [tok.eos_id] + tail
                 for t in itertools.islice(sources.iter_texts(builder, "train"), EMBEDDING_DOCS)]
-        table = emb.hellinger_svd_embeddings(emb.cooccurrence_sparse(rows, v, cfg.flow.window), d, smoothing=cfg.flow.smoothing,
-                                             norm=norm)
+        counts = emb.cooccurrence_sparse(rows, v, cfg.flow.window)
+        table = emb.hellinger_svd_embeddings(counts, d, smoothing=cfg.flow.smoothing, norm=norm)
     elif cfg.flow.embeddings == "gaussian":
         table = emb.gaussian_embeddings(v, d, seed=cfg.train.seed, norm=norm)
     else:

@@ -50,6 +50,7 @@ def test_unknown_preset():
     ("sample.top_k=-1", "top_k must be >= 0"),
     ("data.seq_len=4096", "exceeds model.max_seq_len"),
     ("model.num_kv_heads=3", "multiple of"),
+    ("flow.window=0", "flow.window"),
 ])
 def test_invalid_values(override, pattern):
     with pytest.raises(ConfigError, match=pattern):

@@ -104,3 +104,12 @@ def test_decode_keeps_chat_markers_as_words():
     tok = train_tokenizer(["<user> hi there <assistant> hello you"] * 20, 64)
     ids = [tok.piece_to_id("<assistant>")] * 2 + tok.encode("hi") + [tok.piece_to_id("<user>")]
     assert tok.decode(ids).split() == ["<assistant>", "<assistant>", "hi", "<user>"]
+
+
+def test_turn_stop_ids_with_and_without_pad():
+    from relf_jax.data.tokenizer import turn_stop_ids
+    from relf_jax.serving.engines import ByteTokenizer
+
+    tok = ByteTokenizer()  # pad 0, eos 1, <user> 4
+    assert turn_stop_ids(tok) == (1, 4)
+    assert turn_stop_ids(tok, pad=True) == (1, 4, 0)  # block diffusion: pad ends the reply too

@@ -73,7 +73,8 @@ def decode_settings(lm, *, max_blocks: int, threshold: float = 0.95, temperature
 
     tok = lm.tokenizer
     return BlockDecodeSettings(block_size=block_size or lm.model_cfg.block_size, max_blocks=max_blocks,
-                               mask_id=lm.model_cfg.vocab_size, pad_id=tok.pad_id, stop_ids=turn_stop_ids(tok, pad=True),
+                               mask_id=lm.model_cfg.vocab_size, pad_id=tok.pad_id,
+                               stop_ids=turn_stop_ids(tok, pad=True),
                                threshold=threshold, temperature=temperature)
 
 
