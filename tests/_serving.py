@@ -70,13 +70,14 @@ def live_server(models, **app_kw):
                 s.batcher.stop(drain=False, timeout=5)
 
 
-def mock_models(slots: int = 4, step_s: float = 0.0, max_queue: int = 64, name: str = "mock", policy=None):
+def mock_models(slots: int = 4, step_s: float = 0.0, max_queue: int = 64, name: str = "mock", policy=None,
+                cost_fn=None):
     from relf_jax.serving.batching import Batcher
     from relf_jax.serving.chat import ChatTemplate
     from relf_jax.serving.engines import MockEngine
     from relf_jax.serving.server import ServedEngine
 
     engine = MockEngine(slots, step_s=step_s)
-    batcher = Batcher(engine, policy, max_queue=max_queue).start()
+    batcher = Batcher(engine, policy, max_queue=max_queue, cost_fn=cost_fn).start()
     return {name: [ServedEngine(engine, batcher, ChatTemplate(), "mock", {})]}
 

@@ -5,6 +5,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -143,6 +144,33 @@ def test_full_queue_429_and_disconnect_frees_the_slot():
         assert 'relf_rejected_total{model="mock",generator="mock"} 1.0' in metrics
         assert "relf_ttft_seconds_count" in metrics and "relf_queue_length" in metrics
         assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+
+
+def test_sjf_cost_prediction_runs_off_the_event_loop():
+    """An SJF server predicts each request's cost (a model call) at submit; that happens in a
+    worker thread, so the server keeps answering while a slow prediction runs."""
+    from relf_jax.serving.scheduler import make_policy
+
+    calls = []
+
+    def slow_cost(prompt):
+        calls.append(len(prompt))
+        time.sleep(1.0)
+        return {"dws_cost": float(len(prompt))}
+
+    models = mock_models(1, policy=make_policy("sjf:dws_cost", aging=0.0), cost_fn=slow_cost)
+    with live_server(models) as base, httpx.Client(timeout=30) as client:
+        done = {}
+        worker = threading.Thread(target=lambda: done.setdefault("r", client.post(
+            f"{base}/v1/chat/completions", json={"model": "mock", "messages": USER})))
+        worker.start()
+        time.sleep(0.2)  # the request is inside its 1 s cost prediction
+        t0 = time.monotonic()
+        assert httpx.get(f"{base}/health", timeout=5).json() == {"status": "ok"}
+        assert time.monotonic() - t0 < 0.5
+        worker.join(timeout=30)
+        assert done["r"].status_code == 200 and done["r"].json()["choices"][0]["message"]["content"] == "hello world"
+        assert calls == [1 + 2 + len(" hello world ")]
 
 
 def test_schemathesis_finds_no_server_errors(server):

@@ -259,7 +259,11 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
         def sink(ev: Event) -> None:
             loop.call_soon_threadsafe(events.put_nowait, ev)
 
-        rid = submit(served, req, sink)
+        if served.batcher.cost_fn is not None and not req.predicted:
+            # the SJF cost predictor runs a model: off the event loop, so other streams keep flowing
+            rid = await asyncio.to_thread(submit, served, req, sink)
+        else:
+            rid = submit(served, req, sink)
         created = int(time.time())
         oid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         kind = "chat.completion" if chat else "text_completion"
