@@ -399,13 +399,14 @@ def test_samplers_reproduce_the_data_distribution_with_the_exact_denoiser():
     assert tv_of(sampler="stochastic", renoise="linear") > 0.1
 
 
-def test_known_positions_are_returned_exactly():
-    """Prompt conditioning (`known=`) returns the prompt tokens at the known positions. It holds
-    those positions on their interpolation path ("replacement"), which is an approximation: with
-    the exact mixture denoiser some samples continue a sequence the prompt rules out (7-8 % of
-    4,000 samples at 64 NFE, Euler and stochastic), so only the prompt tokens and the ordering of
-    the consistent continuations are asserted (README, ReLF section)."""
-    vocab, length, dim, n = 12, 6, 8, 512
+def test_prompt_conditioning_returns_the_prompt_and_mostly_consistent_continuations():
+    """Prompt conditioning (`known=`) returns the prompt tokens at the known positions. It redraws
+    those positions from their path with fresh noise before every step ("replacement"), which is
+    an approximation: with the exact mixture denoiser a few samples still continue a sequence the
+    prompt rules out (1.1-1.4 % of 4,000 samples at 64 NFE; holding the prompt on a single noise
+    path instead gave 6.7-8.3 %). Asserted: the prompt, that share below 5 %, and that the
+    consistent continuations keep their order."""
+    vocab, length, dim, n = 12, 6, 8, 1024
     rng = np.random.default_rng(0)
     e = rng.standard_normal((vocab, dim))
     e = jnp.asarray(1.5 * e / np.linalg.norm(e, axis=1, keepdims=True), jnp.float32)
@@ -420,8 +421,12 @@ def test_known_positions_are_returned_exactly():
                                                                   known=(mask, x1)))(jax.random.key(1))
         tokens = np.asarray(tokens)
         np.testing.assert_array_equal(tokens[:, :2], np.broadcast_to(seqs[0, :2], (n, 2)))
-        _, freq = _sequence_frequencies(tokens, seqs)
-        assert freq[0] > freq[2] > 0.1 and freq[1] == freq[3] == freq[4] == 0.0
+        valid, freq = _sequence_frequencies(tokens, seqs)
+        assert valid > 0.95, (kind, valid)
+        assert freq[0] > freq[2] > 0.15 and freq[1] == freq[3] == freq[4] == 0.0
+    with pytest.raises(ValueError, match="known_key"):
+        samplers.euler_integrate(jnp.zeros((n, length, dim)), residual, e, samplers.time_grid(4), c=1e8,
+                                 known=(mask, x1))
 
 
 def test_settings_validation():

@@ -36,6 +36,7 @@ ResidualFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 GRIDS = ("uniform", "cosine", "late")
 SAMPLERS = ("euler", "stochastic")
 RENOISE = ("linear", "marginal")
+KNOWN_KEY_SALT = 0x6B6E  # folded into a sampler's key for the prompt positions' noise (unconditional draws unchanged)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,13 +146,16 @@ def euler_integrate(
     use_singular: bool = True,
     t_eps: float = DEFAULT_T_EPS,
     known=None,
+    known_key: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Euler ODE from z0 [B, L, d] over times ts [n + 1]; returns (Z at ts[-1], last X1_hat).
 
-    known: optional (mask [B, L] bool, x1 [B, L, d]): positions held on their path
-    ``t * x1 + (1 - t) * z0`` after every step (conditioning on a prompt)."""
+    known: optional (mask [B, L] bool, x1 [B, L, d]) positions to condition on (a prompt), with
+    `known_key` for their noise: before every network call they are set to a fresh draw of the
+    path at the current time, ``t * x1 + (1 - t) * eps``, and they end on x1 (see `_integrate`)."""
     return _integrate(z0, residual_fn, embeddings, ts, None, c=c, guidance=guidance,
-                      use_singular=use_singular, t_eps=t_eps, gamma=0.0, renoise="linear", known=known)
+                      use_singular=use_singular, t_eps=t_eps, gamma=0.0, renoise="linear", known=known,
+                      known_key=known_key)
 
 
 def stochastic_integrate(
@@ -168,8 +172,10 @@ def stochastic_integrate(
     t_eps: float = DEFAULT_T_EPS,
     renoise: str = "linear",
     known=None,
+    known_key: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Stochastic sampler from z0 [B, L, d]; step_keys [n] (one per step; the last is unused).
+    known / known_key: prompt conditioning, as in `euler_integrate`.
 
     Step i (t -> t_next, h = t_next - t), except the last: a = clip(1 - gamma h, 0, 1),
     move back to t' = a t with Z' = a Z + sigma eps (fresh eps), then Euler from t' to t_next.
@@ -178,11 +184,19 @@ def stochastic_integrate(
     (the path's at t'); "linear" adds less. The last step is plain Euler (deterministic).
     """
     return _integrate(z0, residual_fn, embeddings, ts, step_keys, c=c, guidance=guidance,
-                      use_singular=use_singular, t_eps=t_eps, gamma=gamma, renoise=renoise, known=known)
+                      use_singular=use_singular, t_eps=t_eps, gamma=gamma, renoise=renoise, known=known,
+                      known_key=known_key)
 
 
 def _integrate(z0, residual_fn, embeddings, ts, step_keys, *, c, guidance, use_singular, t_eps,
-               gamma, renoise, known=None):
+               gamma, renoise, known=None, known_key=None):
+    """The shared scan. Prompt conditioning ("replacement"): the known positions are redrawn
+    from their path with fresh noise before every network call. Holding them on one path
+    ``t x1 + (1 - t) z0`` instead is a cruder approximation: with the exact denoiser of a
+    sequence mixture it ended 8 % of samples on a sequence the prompt rules out, against 1.5 %
+    with fresh noise (tests/test_flow_math.py measures the rate)."""
+    if known is not None and known_key is None:
+        raise ValueError("prompt conditioning (known=...) needs known_key for the known positions' noise")
     z0 = jnp.asarray(z0, jnp.float32)
     embeddings = jnp.asarray(embeddings, jnp.float32)
     ts = jnp.asarray(ts, jnp.float32)
@@ -195,7 +209,7 @@ def _integrate(z0, residual_fn, embeddings, ts, step_keys, *, c, guidance, use_s
 
     def step(carry, xs):
         z, sc = carry
-        t, t_to, a, key = xs
+        t, t_to, a, key, kkey = xs
         if stochastic:
             if renoise == "linear":
                 sigma = 1.0 - a
@@ -204,18 +218,23 @@ def _integrate(z0, residual_fn, embeddings, ts, step_keys, *, c, guidance, use_s
             eps = jax.random.normal(key, z.shape, jnp.float32)
             z = a * z + sigma * eps
             t = a * t
+        if known is not None:  # a fresh noisy view of the prompt at the current time
+            mask, x1 = known
+            eps_known = jax.random.normal(kkey, z.shape, jnp.float32)
+            z = jnp.where(mask[..., None], t * x1 + (1.0 - t) * eps_known, z)
         tb = jnp.full((batch,), t, jnp.float32)
         f = guided_residual(residual_fn, z, tb, sc, guidance)
         z_next, x1_hat = fused_flow_step(z, tb, jnp.full((batch,), t_to, jnp.float32), f, embeddings,
                                          c=c, use_singular=use_singular, t_eps=t_eps)
-        if known is not None:  # hold the known positions on their interpolation path
-            mask, x1 = known
-            z_next = jnp.where(mask[..., None], t_to * x1 + (1.0 - t_to) * z0, z_next)
+        if known is not None:  # the known positions end the step on their path (x1 at t = 1)
+            z_next = jnp.where(mask[..., None], t_to * x1 + (1.0 - t_to) * eps_known, z_next)
             x1_hat = jnp.where(mask[..., None], x1, x1_hat)
         return (z_next, x1_hat), None
 
-    keys = step_keys if stochastic else jnp.zeros((t_now.shape[0],), jnp.uint32)
-    (z, sc), _ = jax.lax.scan(step, (z0, jnp.zeros_like(z0)), (t_now, t_next, a_all, keys))
+    n = t_now.shape[0]
+    keys = step_keys if stochastic else jnp.zeros((n,), jnp.uint32)
+    kkeys = jax.random.split(known_key, n) if known is not None else jnp.zeros((n,), jnp.uint32)
+    (z, sc), _ = jax.lax.scan(step, (z0, jnp.zeros_like(z0)), (t_now, t_next, a_all, keys, kkeys))
     return z, sc
 
 
@@ -264,7 +283,8 @@ def euler_sample(
     _check_static(nfe, grid, c, t_eps)
     z0 = jax.random.normal(key, (batch, length, jnp.shape(embeddings)[1]), jnp.float32)
     z, sc = euler_integrate(z0, residual_fn, embeddings, time_grid(nfe, grid), c=c, guidance=guidance,
-                            use_singular=use_singular, t_eps=t_eps, known=known)
+                            use_singular=use_singular, t_eps=t_eps, known=known,
+                            known_key=None if known is None else jax.random.fold_in(key, KNOWN_KEY_SALT))
     return _finish(residual_fn, z, sc, embeddings, c=c, guidance=guidance, use_singular=use_singular, t_eps=t_eps)
 
 
@@ -293,7 +313,8 @@ def stochastic_sample(
     z0 = jax.random.normal(z_key, (batch, length, jnp.shape(embeddings)[1]), jnp.float32)
     z, sc = stochastic_integrate(z0, jax.random.split(noise_key, nfe), residual_fn, embeddings,
                                  time_grid(nfe, grid), c=c, gamma=gamma, guidance=guidance,
-                                 use_singular=use_singular, t_eps=t_eps, renoise=renoise, known=known)
+                                 use_singular=use_singular, t_eps=t_eps, renoise=renoise, known=known,
+                                 known_key=None if known is None else jax.random.fold_in(key, KNOWN_KEY_SALT))
     return _finish(residual_fn, z, sc, embeddings, c=c, guidance=guidance, use_singular=use_singular, t_eps=t_eps)
 
 
@@ -309,7 +330,8 @@ def sample(
 ) -> tuple[jax.Array, jax.Array]:
     """Run the sampler `settings.sampler` with those settings: (tokens [B, L], Z_1 [B, L, d]).
 
-    known: optional (mask [B, L] bool, x1 [B, L, d]) positions held on their path (a prompt)."""
+    known: optional (mask [B, L] bool, x1 [B, L, d]) positions to condition on (a prompt); their
+    noise comes from `key` too (see `euler_integrate`)."""
     common = {"batch": batch, "length": length, "nfe": settings.nfe, "c": settings.c, "known": known,
               "guidance": settings.guidance, "grid": settings.grid,
               "use_singular": settings.use_singular, "t_eps": settings.t_eps}
