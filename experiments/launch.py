@@ -138,8 +138,21 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line. Config overrides (key=value) may also follow the options: argparse alone
+    does not take positionals after options once a subcommand's first positional is in
+    (``bench dws --out F train.steps=9``)."""
+    p = _parser()
+    args, extra = p.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra):
+            p.error("unrecognized arguments: " + " ".join(extra))
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from relf_jax.errors import UserError
 

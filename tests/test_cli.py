@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from experiments.launch import main
+from experiments.launch import main, parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,6 +35,19 @@ def _one_line_error(rc, err, *words):
     assert "Traceback" not in err
     for w in words:
         assert w in lines[0], (w, lines[0])
+
+
+def test_overrides_may_follow_the_options():
+    a = parse_args(["bench", "dws", "--out", "x.json", "train.steps=9", "--workdir", "w", "model.d_model=64"])
+    assert a.which == "dws" and a.out == "x.json" and a.workdir == "w"
+    assert a.overrides == ["train.steps=9", "model.d_model=64"]
+    a = parse_args(["bench", "dws", "train.steps=9", "--out", "x.json", "data.seq_len=32"])
+    assert a.overrides == ["train.steps=9", "data.seq_len=32"]
+    with pytest.raises(SystemExit) as e:
+        parse_args(["bench", "dws", "--out", "x.json", "--nope"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--mock", "train.steps=9"])  # serve takes no config overrides
 
 
 @pytest.mark.parametrize("argv, words", [
