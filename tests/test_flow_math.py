@@ -366,6 +366,14 @@ def _mixture_denoiser(seqs, probs, e):
     return residual
 
 
+def _mixture_data(vocab, length, dim, sequences=5):
+    """Embeddings [vocab, dim] of norm 1.5 and `sequences` random token sequences of `length`."""
+    rng = np.random.default_rng(0)
+    e = rng.standard_normal((vocab, dim))
+    e = jnp.asarray(1.5 * e / np.linalg.norm(e, axis=1, keepdims=True), jnp.float32)
+    return e, rng.integers(0, vocab, size=(sequences, length))
+
+
 def _sequence_frequencies(tokens, seqs):
     match = (np.asarray(tokens)[:, None, :] == np.asarray(seqs)[None]).all(-1)
     return match.any(1).mean(), match.mean(0)
@@ -378,10 +386,7 @@ def test_samplers_reproduce_the_data_distribution_with_the_exact_denoiser():
     The "linear" renoise (methods.md's literal Z' = aZ + (1 - a) eps) adds too little noise and is
     mode-seeking: the same check must flag it, which also shows the check can fail."""
     vocab, length, dim, n = 12, 6, 8, 4000
-    rng = np.random.default_rng(0)
-    e = rng.standard_normal((vocab, dim))
-    e = jnp.asarray(1.5 * e / np.linalg.norm(e, axis=1, keepdims=True), jnp.float32)
-    seqs = rng.integers(0, vocab, size=(5, length))
+    e, seqs = _mixture_data(vocab, length, dim)
     probs = np.array([0.4, 0.25, 0.15, 0.12, 0.08])
     residual = _mixture_denoiser(seqs, probs, e)
     c = 1e8  # c tanh(f / c) == f to float32 precision at these logit sizes
@@ -407,10 +412,7 @@ def test_prompt_conditioning_returns_the_prompt_and_mostly_consistent_continuati
     path instead gave 6.7-8.3 %). Asserted: the prompt, that share below 5 %, and that the
     consistent continuations keep their order."""
     vocab, length, dim, n = 12, 6, 8, 1024
-    rng = np.random.default_rng(0)
-    e = rng.standard_normal((vocab, dim))
-    e = jnp.asarray(1.5 * e / np.linalg.norm(e, axis=1, keepdims=True), jnp.float32)
-    seqs = rng.integers(0, vocab, size=(5, length))
+    e, seqs = _mixture_data(vocab, length, dim)
     seqs[2, :2] = seqs[0, :2]
     residual = _mixture_denoiser(seqs, [0.4, 0.25, 0.15, 0.12, 0.08], e)
     mask = jnp.zeros((n, length), bool).at[:, :2].set(True)
