@@ -17,7 +17,11 @@ conversations (unconditional, up to ``seq_len`` tokens) from both:
 - straightness of each reflow round's coupling before and after training on it;
 - a reference row with no model at all: every position drawn independently from the training
   documents' token frequencies at that position (`positional_unigram_samples`). A flow model
-  whose samples score no better has learned nothing beyond per-position statistics.
+  whose samples score no better has learned nothing beyond per-position statistics;
+- prompted replies (`prompted_rows`, full budget): the reply to held-out first user turns,
+  scored given the prompt under the exact judge, for AR, the ReLF model with its prompt
+  renoised, and a ReLF model trained with clean prompts (``flow.prompt_prob``) sampled with the
+  prompt held clean; that model's unconditional rows too (variant ``prompt_training``).
 
 Rows carry ``method, nfe, reflow_rounds, gen_ppl, entropy, latency_s, batch`` (+ the budget
 and variant); ``targets`` restates the issue's targets as measured ratios.
@@ -43,6 +47,7 @@ AR_TEMPERATURES = (0.6, 0.7, 0.8, 0.9, 1.0, 1.1)
 QUICK_AR_TEMPERATURES = (0.7, 0.85, 1.0)
 EULER_NFES = (8, 16, 32)
 GUIDANCE = (1.0, 1.3, 1.7, 2.5)
+PROMPT_TRAINING = ["flow.prompt_prob=0.5"]
 ABLATIONS = {"no_singular": ["flow.use_singular=false"], "gaussian_embeddings": ["flow.embeddings=gaussian"],
              "mse_loss": ["flow.loss=mse"]}
 
@@ -62,7 +67,7 @@ def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overri
     full = base.train.steps
     budgets = (full, max(1, full // 2))
     t0 = time.perf_counter()
-    rows, straight = [], []
+    rows, straight, prompted = [], [], []
 
     def record(row):
         rows.append(row)
@@ -105,6 +110,15 @@ def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overri
             s = workflows.sample_relf(lm, n, nfe=64, sampler="stochastic", guidance=g)
             record(_row(s, judge, method=f"relf stochastic w={g:g}", nfe=64, reflow_rounds=0, steps=steps,
                         variant="guidance", guidance=g, batch=lm.cfg.sample.batch_size))
+        pwd = _workdir(root, f"steps{steps}_prompt_training", base)
+        workflows.train_lm(make_config(preset, [*overrides, f"train.steps={steps}", "model=relf", *PROMPT_TRAINING],
+                                       workdir=pwd))
+        plm = workflows.load_model(os.path.join(pwd, "relf"), "relf")
+        s = workflows.sample_relf(plm, n, nfe=64, sampler="stochastic")
+        record(_row(s, judge, method="relf stochastic prompt_training", nfe=64, reflow_rounds=0, steps=steps,
+                    variant="prompt_training", batch=plm.cfg.sample.batch_size))
+        from experiments.bench import held_out_prompts
+        prompted = prompted_rows(ar_lm, lm, plm, judge, held_out_prompts(cfg, 16 if quick else 128), steps=steps)
         straight = workflows.reflow(wd, rounds=2, num_pairs=64 if quick else 512, steps=max(1, steps // 2))
         for r in (1, 2):
             rlm = workflows.load_model(os.path.join(wd, f"relf_reflow{r}"), "relf")
@@ -114,7 +128,8 @@ def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overri
     report = {"preset": preset, "complete": True, "num_samples": n, "budgets_steps": list(budgets),
               "tokens_per_step": base.train.batch_size * base.data.seq_len, "rows": rows,
               "latency": latency["rows"], "latency_ratio_ar_over_relf16": latency["ratio"],
-              "straightness": straight, "targets": targets(rows, budgets), "judge": judge.name,
+              "straightness": straight, "prompted": prompted, "targets": targets(rows, budgets, prompted),
+              "judge": judge.name,
               "wall_s": time.perf_counter() - t0}
     _write_json(out, report)
     print(json.dumps(report["targets"], indent=2))
@@ -167,6 +182,60 @@ def _row(samples, judge, *, method, nfe, reflow_rounds, steps, variant, batch: i
             "entropy": q["entropy"], "latency_s": samples.seconds / batches, "batch": batch,
             "train_steps": steps, "variant": variant, "mean_tokens": q["mean_tokens"],
             "distinct_2": q["distinct_2"], **extra}
+
+
+def prompted_rows(ar_lm, relf_lm, prompt_lm, judge, prompts: Sequence[str], *, steps: int,
+                  log=print) -> list[dict]:
+    """Replies to `prompts` (texts ending with ``<assistant>``), each cut at the end of its turn
+    and scored given its prompt under the exact judge (reply words, scored as a prefix): AR at
+    T = 1 and 0.8; `relf_lm` with the prompt renoised; `prompt_lm` (trained with clean prompts)
+    with the prompt held clean and, to separate training from sampling, renoised. ReLF at 64-NFE
+    stochastic and 16-NFE Euler. Rows: method, nfe, variant, prompt_mode, gen_ppl, entropy,
+    reply_words, ended (share of replies that reached the end of their turn)."""
+    from relf_jax import workflows
+    from relf_jax.eval.metrics import mean_unigram_entropy
+
+    sc = ar_lm.cfg.sample
+    longest = max(len(workflows.encode_prompt(ar_lm.tokenizer, p)) for p in prompts)
+    room = min(relf_lm.cfg.data.seq_len, ar_lm.model_cfg.max_seq_len) - longest
+    runs = [(f"ar T={t:g}", None, "ar", "-", lambda t=t: workflows.sample(
+        ar_lm, prompts, sample_cfg=dataclasses.replace(sc, temperature=t, top_k=0, top_p=1.0, max_new_tokens=room)))
+        for t in (1.0, 0.8)]
+    for label, model, mode in (("relf", relf_lm, "renoise"), ("relf prompt_training", prompt_lm, "clean"),
+                               ("relf prompt_training", prompt_lm, "renoise")):
+        for sampler, nfe in (("stochastic", 64), ("euler", 16)):
+            runs.append((f"{label} {sampler} prompt {mode}", nfe, "relf" if model is relf_lm else "prompt_training",
+                         mode, lambda m=model, s=sampler, k=nfe, pm=mode: workflows.sample_relf(
+                             m, prompts=prompts, nfe=k, sampler=s, prompt_mode=pm)))
+    rows = []
+    for method, nfe, variant, mode, run in runs:
+        samples = _cut_turns(run(), ar_lm.tokenizer if variant == "ar" else None)
+        logp, words = judge.score_replies(list(prompts), samples.texts, [False] * len(prompts))
+        row = {"method": method, "nfe": nfe, "variant": variant, "prompt_mode": mode, "train_steps": steps,
+               "gen_ppl": float(math.exp(-logp.sum() / max(words.sum(), 1))),
+               "entropy": mean_unigram_entropy([t.split() for t in samples.texts]),
+               "reply_words": float(np.mean([len(t.split()) for t in samples.texts])),
+               "ended": float(np.mean(samples.complete))}
+        rows.append(row)
+        log(f"[bench relf] prompted {method:>44} nfe {nfe!s:>4}: reply gen PPL {row['gen_ppl']:9.2f}  entropy "
+            f"{row['entropy']:.2f}  {row['reply_words']:.1f} words, {row['ended']:.0%} ended", flush=True)
+    return rows
+
+
+def _cut_turns(samples, tok=None):
+    """AR samples (`tok` given) cut at the end of the reply's turn (EOS or the next ``<user>``);
+    ReLF prompted samples are cut already (`workflows.sample_relf`)."""
+    if tok is None:
+        return samples
+    from relf_jax.data.tokenizer import turn_stop_ids
+
+    stops = set(turn_stop_ids(tok))
+    ids, ended = [], []
+    for body, done in zip(samples.token_ids, samples.complete):
+        cut = next((i for i, t in enumerate(body) if t in stops), None)
+        ids.append(body if cut is None else body[:cut])
+        ended.append(done or cut is not None)
+    return dataclasses.replace(samples, token_ids=ids, texts=[tok.decode(b) for b in ids], complete=ended)
 
 
 def _relf_rows(record, lm, judge, n, steps, *, rounds, variant, renoise_pair=False):
@@ -229,9 +298,17 @@ def _ratio(a, b):
     return None if a is None or b is None else a / b
 
 
-def targets(rows: Sequence[dict], budgets: Sequence[int]) -> dict:
-    """The issue's targets as measured ratios (lower gen PPL is better)."""
+def targets(rows: Sequence[dict], budgets: Sequence[int], prompted: Sequence[dict] = ()) -> dict:
+    """The issue's targets as measured ratios (lower gen PPL is better), and the prompted replies'
+    gen PPL of clean-prompt training over the renoised prompt (not an issue target)."""
     out = {}
+    for nfe in (64, 16):
+        clean = _pick(prompted, variant="prompt_training", prompt_mode="clean", nfe=nfe)
+        renoised = _pick(prompted, variant="relf", prompt_mode="renoise", nfe=nfe)
+        if clean and renoised:
+            out[f"prompted_reply_gen_ppl_clean_over_renoise_nfe{nfe}"] = {
+                "ratio": _ratio(clean["gen_ppl"], renoised["gen_ppl"]),
+                "entropy_delta": clean["entropy"] - renoised["entropy"]}
     for steps in budgets:
         ar_rows = [r for r in rows if r["variant"] == "ar" and r["train_steps"] == steps]
         r64 = _pick(rows, variant="relf", train_steps=steps, nfe=64, reflow_rounds=0)

@@ -256,8 +256,8 @@ def _run(args) -> int:
     cfg.validate()
     if family == "relf":
         lm = dataclasses.replace(lm, cfg=cfg)
-        s = workflows.sample_relf(lm, cfg.sample.num_samples, batch_size=cfg.sample.batch_size,
-                                  seed=cfg.sample.seed, warmup=False)
+        s = workflows.sample_relf(lm, cfg.sample.num_samples, prompts=getattr(args, "prompt", None) or None,
+                                  batch_size=cfg.sample.batch_size, seed=cfg.sample.seed, warmup=False)
         return _sample_or_eval(args, cfg, lm, s, f"{cfg.flow.nfe} network calls each ({cfg.flow.sampler})",
                                {"nfe": cfg.flow.nfe})
     if family == "bd":

@@ -53,6 +53,9 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     flow_embed_dim: int = 32  # relf: width of the fixed token embeddings (paper's best: 32)
+    # relf: a learned "known position" input, so the network can be told which positions hold a
+    # clean prompt (set by training with flow.prompt_prob > 0; see relf_jax.flow.losses)
+    flow_prompt_input: bool = False
     block_size: int = 8  # bd: tokens per diffusion block; dws: the block size of the decoder predicted
     max_blocks: int = 16  # dws: output blocks on the workload surface's grid (B_max)
     # dws: "surface" (block head + step head -> S[b, s]) or a scalar baseline on the same encoder
@@ -133,6 +136,11 @@ class FlowConfig:
     t_eps: float = 1e-4
     t_distribution: Literal["uniform", "logit_normal"] = "uniform"
     self_condition_prob: float = 0.5
+    # share of training rows whose first k tokens (k uniform over the row's text) are given clean
+    # and flagged, with no loss on them: the model learns p(rest | prompt) directly, and prompted
+    # sampling (serving, ChatModel) holds the prompt clean instead of renoising it. 0: the
+    # paper's unconditional training (and prompted sampling by renoising the prompt).
+    prompt_prob: float = 0.0
     loss: Literal["ce", "mse"] = "ce"
     nfe: int = 16
     sampler: Literal["euler", "stochastic"] = "euler"
@@ -206,6 +214,7 @@ class Config:
         _check(s.num_samples > 0 and s.batch_size > 0 and s.max_new_tokens > 0,
                "sample.num_samples, sample.batch_size and sample.max_new_tokens must be > 0")
         fl = self.flow
+        _check(0.0 <= fl.prompt_prob < 1.0, "flow.prompt_prob must lie in [0, 1)")
         _check(fl.residual_bound > 0 and fl.t_eps > 0 and fl.nfe >= 1 and fl.embed_norm >= 0,
                "flow.residual_bound, flow.t_eps, flow.nfe must be > 0 and flow.embed_norm >= 0")
         _check(0 <= fl.self_condition_prob <= 1, "flow.self_condition_prob must be in [0, 1]")

@@ -21,6 +21,7 @@ import time
 from typing import Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from relf_jax.checkpoint import EMBEDDINGS_FILE, Checkpointer, LoadedModel, tokenizer_bytes_from_meta
@@ -137,13 +138,13 @@ def flow_embeddings(cfg: Config, builder, tok: Tokenizer, model_dir: str) -> np.
     return table
 
 
-def flow_loss_settings(cfg: Config):
+def flow_loss_settings(cfg: Config, pad_id: int = -1):
     from relf_jax.flow.losses import FlowLossSettings
 
     f = cfg.flow
     return FlowLossSettings(residual_bound=f.residual_bound, use_singular=f.use_singular, t_eps=f.t_eps,
                             t_distribution=f.t_distribution, self_condition_prob=f.self_condition_prob,
-                            loss=f.loss)
+                            loss=f.loss, prompt_prob=f.prompt_prob, pad_id=pad_id)
 
 
 def train_relf(cfg: Config, *, mesh=None) -> TrainResult:
@@ -152,7 +153,8 @@ def train_relf(cfg: Config, *, mesh=None) -> TrainResult:
 
     builder = prepare_data(cfg)
     tok = prepare_tokenizer(cfg, builder)
-    model_cfg = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size)
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size,
+                                    flow_prompt_input=cfg.model.flow_prompt_input or cfg.flow.prompt_prob > 0)
     cfg = dataclasses.replace(cfg, model=model_cfg)
     model_dir = os.path.join(cfg.workdir, "relf")
     table = flow_embeddings(cfg, builder, tok, model_dir)
@@ -162,22 +164,27 @@ def train_relf(cfg: Config, *, mesh=None) -> TrainResult:
                                   rows=rows)
     evals = pipeline.eval_batches(builder, "validation", tok, seq_len=d.seq_len, batch_size=t.batch_size,
                                   max_batches=t.eval_batches, rows=rows)
-    return train(cfg, model_cfg, make_flow_loss(flow_loss_settings(cfg)), data, eval_data=evals,
+    return train(cfg, model_cfg, make_flow_loss(flow_loss_settings(cfg, tok.pad_id)), data, eval_data=evals,
                  workdir=model_dir, mesh=mesh, tokenizer_bytes=tok.to_bytes(),
                  frozen={"embeddings": jax.numpy.asarray(table)}, extra_meta={"embeddings": EMBEDDINGS_FILE})
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings", "batch", "length"))
-def _relf_tokens(graphdef, params, key, table, *, settings, batch: int, length: int):
-    """Token ids [batch, length] from the ReLF sampler; compiled once per settings and shape."""
+def _relf_tokens(graphdef, params, key, table, prompt_tokens=None, prompt_mask=None, *, settings, batch: int,
+                 length: int):
+    """Token ids [batch, length] from the ReLF sampler, conditioned on the positions of
+    `prompt_mask` [batch, length] holding `prompt_tokens` when given; compiled once per settings
+    and shape."""
     from flax import nnx
 
     from relf_jax.flow.samplers import sample as flow_sample
 
-    def residual(z, t, sc):
-        return nnx.merge(graphdef, params)(z, sc, t)
+    def residual(z, t, sc, known=None):
+        return nnx.merge(graphdef, params)(z, sc, t, known)
 
-    return flow_sample(key, residual, table, settings, batch=batch, length=length)[0]
+    known = None if prompt_mask is None else (prompt_mask, jnp.take(table, prompt_tokens, axis=0))
+    out = flow_sample(key, residual, table, settings, batch=batch, length=length, known=known)[0]
+    return out if prompt_mask is None else jnp.where(prompt_mask, prompt_tokens, out)
 
 
 def flow_table(lm: LoadedModel) -> np.ndarray:
@@ -187,38 +194,92 @@ def flow_table(lm: LoadedModel) -> np.ndarray:
     return np.load(os.path.join(lm.model_dir, EMBEDDINGS_FILE))
 
 
-def sample_relf(lm: "LoadedModel", n: int, *, nfe: Optional[int] = None, sampler: Optional[str] = None,
+def flow_prompt_mode(lm: LoadedModel) -> str:
+    """How a ReLF model is conditioned on a prompt: "clean" when it was trained with clean,
+    flagged prompts (``flow.prompt_prob`` > 0), else "renoise" (see `relf_jax.flow.samplers`)."""
+    return "clean" if lm.model_cfg.flow_prompt_input else "renoise"
+
+
+def sample_relf(lm: "LoadedModel", n: Optional[int] = None, *, prompts: Optional[Sequence[str]] = None,
+                nfe: Optional[int] = None, sampler: Optional[str] = None,
                 guidance: Optional[float] = None, length: Optional[int] = None, batch_size: Optional[int] = None,
-                seed: int = 0, warmup: bool = True, renoise: Optional[str] = None) -> "Samples":
+                seed: int = 0, warmup: bool = True, renoise: Optional[str] = None,
+                prompt_mode: Optional[str] = None) -> "Samples":
     """Whole sequences from a ReLF model: `nfe` network calls each, all positions in parallel.
 
+    Without `prompts`: `n` unconditional rows. With `prompts`: one row per prompt, the flow
+    conditioned on the prompt's positions (`prompt_mode`: "clean" or "renoise", default
+    `flow_prompt_mode(lm)`), and the sample is the reply: what follows the prompt up to the end
+    of the turn (EOS or the next ``<user>``, `complete` when one is reached).
     Sampler settings default to the model's ``cfg.flow``; length to ``data.seq_len``.
     """
+    from relf_jax.data.tokenizer import turn_stop_ids
     from relf_jax.flow.samplers import FlowSamplerSettings
 
     f = lm.cfg.flow
+    mode = prompt_mode or flow_prompt_mode(lm)
+    if mode == "clean" and not lm.model_cfg.flow_prompt_input:
+        raise UserError("prompt_mode='clean' needs a ReLF model trained with flow.prompt_prob > 0")
     settings = FlowSamplerSettings(nfe=nfe or f.nfe, grid=f.grid, sampler=sampler or f.sampler,
                                    c=f.residual_bound, guidance=f.guidance if guidance is None else guidance,
                                    use_singular=f.use_singular, t_eps=f.t_eps, gamma=f.gamma,
-                                   renoise=renoise or f.renoise)
+                                   renoise=renoise or f.renoise, prompt=mode)
     table = jax.numpy.asarray(flow_table(lm))
     length = length or lm.cfg.data.seq_len
     bs = batch_size or lm.cfg.sample.batch_size
+    tok = lm.tokenizer
+    ids = None
+    if prompts is not None:
+        ids = [encode_prompt(tok, p) for p in prompts]
+        if not ids:
+            raise UserError("no prompts to sample from")
+        longest = max(len(x) for x in ids)
+        if longest >= length:
+            raise UserError(f"a prompt of {longest} tokens leaves no room in a ReLF row of {length}")
+        n = len(ids)
+    elif not n:
+        raise UserError("sample_relf needs n > 0 or prompts")
 
-    def run(params, key, table):
-        return _relf_tokens(lm.graphdef, params, key, table, settings=settings, batch=bs, length=length)
+    def run(params, key, table, start):
+        if ids is None:
+            return _relf_tokens(lm.graphdef, params, key, table, settings=settings, batch=bs, length=length)
+        chunk = ids[start:start + bs]
+        chunk = chunk + [chunk[0]] * (bs - len(chunk))
+        toks = np.full((bs, length), tok.pad_id, np.int32)
+        mask = np.zeros((bs, length), bool)
+        for i, row in enumerate(chunk):
+            toks[i, :len(row)], mask[i, :len(row)] = row, True
+        return _relf_tokens(lm.graphdef, params, key, table, jnp.asarray(toks), jnp.asarray(mask),
+                            settings=settings, batch=bs, length=length)
 
     key = jax.random.key(seed)
     rows, seconds = [], 0.0
     for start in range(0, n, bs):
         key, sub = jax.random.split(key)
         if warmup and start == 0:
-            jax.block_until_ready(run(lm.params, sub, table))
+            jax.block_until_ready(run(lm.params, sub, table, start))
         t0 = time.perf_counter()
-        out = np.asarray(jax.block_until_ready(run(lm.params, sub, table)))
+        out = np.asarray(jax.block_until_ready(run(lm.params, sub, table, start)))
         seconds += time.perf_counter() - t0
         rows.extend(out[: min(bs, n - start)])
-    return samples_from_rows(lm.tokenizer, rows, seconds=seconds, target_forwards=settings.nfe * len(rows))
+    if ids is None:
+        return samples_from_rows(tok, rows, seconds=seconds, target_forwards=settings.nfe * len(rows))
+    stops = set(turn_stop_ids(tok))
+    texts, token_ids, complete, total = [], [], [], 0
+    for row, prompt in zip(rows, ids):
+        body, done = [], False
+        for t in row[len(prompt):].tolist():
+            if t in stops:
+                done = True
+                break
+            if t not in (tok.pad_id, tok.bos_id):
+                body.append(t)
+        total += len(body) + int(done)
+        token_ids.append(body)
+        complete.append(done)
+        texts.append(tok.decode(body))
+    return Samples(texts=texts, token_ids=token_ids, complete=complete, seconds=seconds, tokens=total,
+                   target_forwards=settings.nfe * len(rows))
 
 
 def samples_from_rows(tok: Tokenizer, rows, *, seconds: float = 0.0, target_forwards: int = 0) -> "Samples":
@@ -267,7 +328,7 @@ def reflow(workdir: str, rounds: int = 2, *, num_pairs: int = 512, rollout_nfe: 
             results.append(done[r])  # a finished round (an earlier run): nothing to redo
             source = target_dir
             continue
-        settings = flow_loss_settings(cfg)
+        settings = flow_loss_settings(cfg, lm.tokenizer.pad_id)
         table = jax.numpy.asarray(np.load(os.path.join(lm.model_dir, EMBEDDINGS_FILE)))
         os.makedirs(target_dir, exist_ok=True)
         shutil.copy(os.path.join(lm.model_dir, EMBEDDINGS_FILE), os.path.join(target_dir, EMBEDDINGS_FILE))

@@ -74,3 +74,32 @@ def test_positional_unigram_samples_follow_each_positions_frequencies(monkeypatc
     assert set(counts) <= {"ab", "ad", "cb", "cd"} and all(s.complete)
     assert counts["ab"] / 2000 == pytest.approx(0.75 * 0.75, abs=0.04)
     assert counts["cb"] / 2000 == pytest.approx(0.25 * 0.75, abs=0.04)
+
+
+def test_targets_compare_clean_prompts_with_renoised_ones():
+    rows = [_ar(2.0, 20.0, 10), _ar(4.0, 80.0, 10), _ar(2.0, 40.0, 5), _ar(4.0, 160.0, 5),
+            _relf(10, 64, 0, 46.0), _relf(5, 64, 0, 100.0)]
+    prompted = [{"variant": "relf", "prompt_mode": "renoise", "nfe": 64, "gen_ppl": 4000.0, "entropy": 3.0},
+                {"variant": "relf", "prompt_mode": "renoise", "nfe": 16, "gen_ppl": 5000.0, "entropy": 3.0},
+                {"variant": "prompt_training", "prompt_mode": "renoise", "nfe": 64, "gen_ppl": 9.0, "entropy": 1.0},
+                {"variant": "prompt_training", "prompt_mode": "clean", "nfe": 64, "gen_ppl": 1000.0, "entropy": 2.5}]
+    t = targets(rows, (10, 5), prompted)
+    assert t["prompted_reply_gen_ppl_clean_over_renoise_nfe64"]["ratio"] == pytest.approx(0.25)
+    assert t["prompted_reply_gen_ppl_clean_over_renoise_nfe64"]["entropy_delta"] == pytest.approx(-0.5)
+    assert "prompted_reply_gen_ppl_clean_over_renoise_nfe16" not in t  # no clean 16-NFE row
+    assert "prompted_reply_gen_ppl_clean_over_renoise_nfe64" not in targets(rows, (10, 5))
+
+
+def test_ar_replies_are_cut_at_the_end_of_their_turn():
+    from experiments.bench_relf import _cut_turns
+    from relf_jax.serving.engines import ByteTokenizer
+    from relf_jax.workflows import Samples
+
+    tok = ByteTokenizer()
+    user = tok.MARKERS["<user>"]
+    bodies = [tok.encode("hi there") + [user] + tok.encode("more"), tok.encode("no end"), tok.encode("done")]
+    s = Samples(texts=[tok.decode(b) for b in bodies], token_ids=bodies, complete=[False, False, True],
+                seconds=1.0, tokens=30)
+    cut = _cut_turns(s, tok)
+    assert cut.texts == ["hi there", "no end", "done"] and cut.complete == [True, False, True]
+    assert _cut_turns(s) is s  # ReLF prompted samples come cut already

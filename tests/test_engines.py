@@ -127,6 +127,15 @@ def test_relf_engine_holds_the_prompt_and_is_batch_independent():
     assert np.asarray(toks)[0, :len(PROMPTS[0])].tolist() == PROMPTS[0]
 
 
+def test_relf_engine_holds_a_clean_prompt_for_a_prompt_trained_model():
+    lm = tiny_lm("relf", flow_prompt_input=True)
+    eng = E.ReLFEngine(lm, 2, nfe=3)
+    assert eng.flow_settings.prompt == "clean"
+    out = _run(eng, [(1, PROMPTS[0], E.RequestParams(64, seed=3), 0)], steps=1)[1]
+    assert len(out) > 0 and all(t not in (TOK.pad_id, TOK.bos_id) for t in out)
+    assert E.ReLFEngine(tiny_lm("relf"), 1, nfe=3).flow_settings.prompt == "renoise"
+
+
 def test_requests_that_do_not_fit_are_refused():
     eng = E.MockEngine(1, max_context=32)
     eng.check_request(10, 22)

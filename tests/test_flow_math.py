@@ -431,6 +431,45 @@ def test_prompt_conditioning_returns_the_prompt_and_mostly_consistent_continuati
                                  known=(mask, x1))
 
 
+def test_clean_prompt_mode_samples_the_exact_conditional():
+    """prompt="clean" (a model trained with clean, flagged prompts): the prompt positions hold
+    their embeddings and the network gets the mask. With the exact conditional denoiser of a
+    sequence mixture, every sample continues a sequence the prompt allows, at the conditional
+    weights (0.4 : 0.15 renormalised; total variation < 0.04 over 4,000 samples)."""
+    vocab, length, dim, n = 12, 6, 8, 4000
+    e, seqs = _mixture_data(vocab, length, dim)
+    seqs[2, :2] = seqs[0, :2]
+    probs = np.array([0.4, 0.25, 0.15, 0.12, 0.08])
+    onehot = jax.nn.one_hot(jnp.asarray(seqs), vocab)  # [K, L, V]
+    calls = []
+
+    def residual(z, t, sc, known=None):
+        calls.append(known is not None)
+        s = singular.singular_logits(z, t, e)
+        prompt = jax.nn.one_hot(jnp.argmax(jnp.einsum("bld,vd->blv", z, e), -1), vocab)  # exact where clean
+        hits = jnp.einsum("blv,klv->bkl", prompt, onehot)  # 1 where sequence k has the prompt's token
+        allowed = jnp.all(jnp.where(known[:, None, :], hits > 0.5, True), axis=-1)
+        like = jnp.einsum("blv,klv->bk", jnp.where(known[..., None], 0.0, s), onehot)
+        post = jax.nn.softmax(jnp.where(allowed, like + jnp.log(probs), -jnp.inf), axis=-1)
+        return jnp.log(jnp.einsum("bk,klv->blv", post, onehot) + 1e-30) - s
+
+    mask = jnp.zeros((n, length), bool).at[:, :2].set(True)
+    x1 = jnp.broadcast_to(e[jnp.asarray(seqs[0])], (n, length, dim))
+    want = np.array([0.4, 0.0, 0.15, 0.0, 0.0]) / 0.55
+    for kind in samplers.SAMPLERS:
+        settings = samplers.FlowSamplerSettings(nfe=64, c=1e8, sampler=kind, renoise="marginal", prompt="clean")
+        tokens, _ = jax.jit(lambda k, s=settings: samplers.sample(k, residual, e, s, batch=n, length=length,
+                                                                  known=(mask, x1)))(jax.random.key(2))
+        tokens = np.asarray(tokens)
+        np.testing.assert_array_equal(tokens[:, :2], np.broadcast_to(seqs[0, :2], (n, 2)))
+        valid, freq = _sequence_frequencies(tokens, seqs)
+        assert valid == 1.0, (kind, valid)
+        assert 0.5 * np.abs(freq - want).sum() < 0.04, (kind, freq)
+    assert calls and all(calls)  # the network always got the mask
+    with pytest.raises(ValueError, match="prompt mode"):
+        samplers.FlowSamplerSettings(prompt="inpaint")
+
+
 def test_settings_validation():
     with pytest.raises(ValueError):
         samplers.FlowSamplerSettings(nfe=0)

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from relf_jax.config import make_config
+from relf_jax.errors import UserError
 from relf_jax.flow.embeddings import gaussian_embeddings
 from relf_jax.flow.losses import FlowLossSettings, make_flow_loss
 from relf_jax.flow.singular import singular_logits
@@ -59,18 +60,70 @@ def test_flow_loss_variants_are_finite():
     assert float(-jnp.take_along_axis(lp, batch["tokens"][:, :-1, None], -1).mean()) < 1e-3
 
 
+def test_prompt_prefix_is_a_uniform_prefix_of_the_text():
+    from relf_jax.flow.losses import prompt_prefix
+
+    rows, length = 4000, 12
+    n = np.random.default_rng(0).integers(0, length + 1, rows)
+    mask = jnp.asarray(np.arange(length)[None] < n[:, None], jnp.float32)
+    known = np.asarray(prompt_prefix(jax.random.key(0), mask, 0.5))
+    k = known.sum(1)
+    assert (known == (np.arange(length)[None] < k[:, None])).all()  # a prefix
+    chosen = k > 0
+    assert not chosen[n < 2].any() and (k[chosen] <= n[chosen] - 1).all()  # never the whole text
+    assert abs(chosen[n >= 2].mean() - 0.5) < 0.03
+    ten = chosen & (n == 10)  # k uniform over 1..9
+    assert abs(k[ten].mean() - 5.0) < 0.5 and set(k[ten]) == set(range(1, 10))
+
+
+def test_prompt_training_loss_skips_the_prompt_and_trains_the_known_input():
+    cfg = dataclasses.replace(_cfg().model, vocab_size=61, flow_prompt_input=True)
+    model = build_model(cfg, nnx.Rngs(0))
+    model.out[...] = 0.1 * jax.random.normal(jax.random.key(1), model.out.shape)  # the fresh zeros pass no gradient
+    g, p = nnx.split(model)
+    batch = {k: jnp.asarray(v) for k, v in next(CountingBatches()).items()}
+    frozen = {"embeddings": jnp.asarray(gaussian_embeddings(61, 8, seed=1))}
+
+    def run(settings):
+        def f(p):
+            return make_flow_loss(settings)(nnx.merge(g, p), batch, jax.random.key(0), frozen)
+        (loss, aux), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(p)
+        return float(loss), float(aux["tokens"]), float(jnp.abs(grads["in_known"][...]).sum())
+
+    loss, tokens, g_known = run(FlowLossSettings(prompt_prob=0.9))
+    assert np.isfinite(loss) and tokens < batch["tokens"][:, :-1].size and g_known > 0
+    loss, tokens, g_known = run(FlowLossSettings())
+    assert tokens == batch["tokens"][:, :-1].size and g_known == 0.0  # no prompt: the flag is unused
+    plain = build_model(dataclasses.replace(cfg, flow_prompt_input=False), nnx.Rngs(0))
+    z = jnp.zeros((1, 4, 8))
+    with pytest.raises(ValueError, match="prompt input"):
+        plain(z, z, jnp.zeros((1,)), jnp.ones((1, 4), bool))
+
+
 def test_relf_cli_train_and_sample(tmp_path, capsys):
     from experiments.launch import main
     from relf_jax import workflows
 
     wd = str(tmp_path)
+    # trained with clean prompts in half its rows: the model gets the prompt input, prompted
+    # sampling holds the prompt clean
     assert main(["train", "--preset", "tiny", "--workdir", wd, "model=relf", "data.source=chatterbot",
-                 "train.steps=5", "train.progress=false"]) == 0
+                 "train.steps=5", "train.progress=false", "flow.prompt_prob=0.5"]) == 0
     lm = workflows.load_model(wd, "relf")
+    assert lm.model_cfg.flow_prompt_input and workflows.flow_prompt_mode(lm) == "clean"
     s = workflows.sample_relf(lm, 4, nfe=4, length=16, batch_size=4)
     assert len(s.texts) == 4 and s.target_forwards == 16
+    prompts = ["<user> hello <assistant>", "<user> how are you today <assistant>"]
+    for mode in ("clean", "renoise"):
+        r = workflows.sample_relf(lm, prompts=prompts, nfe=4, length=16, batch_size=2, prompt_mode=mode)
+        assert len(r.texts) == 2 and r.target_forwards == 8
+        assert all(lm.tokenizer.bos_id not in ids and lm.tokenizer.eos_id not in ids for ids in r.token_ids)
+    with pytest.raises(UserError, match="no room"):
+        workflows.sample_relf(lm, prompts=["<user> " + "word " * 40], nfe=2, length=8, batch_size=1)
     assert main(["sample", "--workdir", wd, "model=relf", "nfe=4", "sampler=stochastic", "sample.num_samples=2",
                  "sample.batch_size=2"]) == 0
+    assert main(["sample", "--workdir", wd, "model=relf", "nfe=4", "sample.batch_size=2", "--prompt",
+                 "<user> hello <assistant>"]) == 0
     assert "network calls" in capsys.readouterr().err
 
 

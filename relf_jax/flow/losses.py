@@ -10,6 +10,12 @@ an argument. For each row of token ids x (the first L tokens of a packed row):
 
 and the loss is the cross-entropy of x under softmax(logits) (methods.md: CE beat MSE), or, for
 the ablation, the squared error of the predicted velocity against E[x] - eps.
+
+Prompt training (``prompt_prob`` > 0, our extension; the model needs ``flow_prompt_input``): in
+that share of rows a prefix of k tokens, k uniform in 1 .. n - 1 for a row of n text (non-pad) tokens, is
+given clean (Z = E[x], sc = E[x] when self-conditioning) and flagged `known`; the loss covers the
+other positions only. The network then learns p(rest | prompt) itself, which is what prompted
+sampling (`samplers`, ``prompt="clean"``) asks of it. The other rows train exactly as above.
 """
 
 from __future__ import annotations
@@ -30,6 +36,19 @@ class FlowLossSettings:
     t_distribution: str = "uniform"  # uniform | logit_normal
     self_condition_prob: float = 0.5
     loss: str = "ce"  # ce | mse
+    prompt_prob: float = 0.0  # share of rows trained with a clean, flagged prompt prefix
+    pad_id: int = -1  # the prefix is drawn within a row's text: its positions that are not pad
+
+
+def prompt_prefix(key: jax.Array, mask: jax.Array, prob: float) -> jax.Array:
+    """known [B, L] bool: in a `prob` share of rows, the first k positions, k uniform in
+    1 .. n - 1 where n = the row's count of unmasked positions (rows with n < 2 get none)."""
+    k_row, k_len = jax.random.split(key)
+    n = mask.sum(-1).astype(jnp.int32)
+    u = jax.random.uniform(k_len, n.shape)
+    k = 1 + jnp.floor(u * jnp.maximum(n - 1, 0)).astype(jnp.int32)  # 1 .. n - 1
+    chosen = jax.random.bernoulli(k_row, prob, n.shape) & (n >= 2)
+    return (jnp.arange(mask.shape[1])[None, :] < k[:, None]) & chosen[:, None]
 
 
 def sample_times(key: jax.Array, batch: int, distribution: str) -> jax.Array:
@@ -55,21 +74,28 @@ def make_flow_loss(settings: FlowLossSettings):
         embeddings = frozen["embeddings"].astype(jnp.float32)
         tokens, mask = flow_inputs(batch)
         b = tokens.shape[0]
-        k_t, k_eps, k_sc = jax.random.split(key, 3)
+        k_t, k_eps, k_sc, k_prompt = jax.random.split(key, 4)
         t = sample_times(k_t, b, s.t_distribution)
         x1 = jnp.take(embeddings, tokens, axis=0)
         eps = jax.random.normal(k_eps, x1.shape, jnp.float32)
         z = interpolate(x1, eps, t)
+        known = None
+        if s.prompt_prob > 0:
+            known = prompt_prefix(k_prompt, mask * (tokens != s.pad_id), s.prompt_prob)
+            z = jnp.where(known[..., None], x1, z)
+            mask = mask * (~known)
 
         def logits_of(sc):
-            f = model(z, sc, t)
+            f = model(z, sc, t) if known is None else model(z, sc, t, known)
             return posterior_logits(z, t, embeddings, f, c=s.residual_bound, use_singular=s.use_singular,
                                     t_eps=s.t_eps)
 
         zeros = jnp.zeros_like(z)
+        use_sc = jax.random.bernoulli(k_sc, s.self_condition_prob, (b, 1, 1))
         first = jax.lax.stop_gradient(logits_of(zeros))
         sc_guess = posterior_mean(jax.nn.softmax(first, axis=-1), embeddings)
-        use_sc = jax.random.bernoulli(k_sc, s.self_condition_prob, (b, 1, 1))
+        if known is not None:  # as in prompted sampling: the prompt's X1_hat is the prompt itself
+            sc_guess = jnp.where(known[..., None], x1, sc_guess)
         logits = logits_of(jnp.where(use_sc, sc_guess, zeros))
         logp = jax.nn.log_softmax(logits, axis=-1)
         n = jnp.maximum(mask.sum(), 1.0)

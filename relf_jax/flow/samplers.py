@@ -13,6 +13,12 @@ evaluated as one call on a doubled batch [sc = prev; sc = 0]; w == 1 is just f(s
 (one call on the plain batch). One network call per grid step (plus one at t = 1 for the
 no-singular ablation, see `final_tokens`).
 
+Prompted sampling (``known=(mask [B, L] bool, x1 [B, L, d])``) has two modes, the setting
+``prompt``: "renoise" works with any model (the prompt positions are redrawn on their noisy path
+before every call, see `_integrate`); "clean" is for a model trained with a clean, flagged
+prompt (``flow.prompt_prob``): the prompt positions hold x1 itself throughout, and the network
+is called as ``residual_fn(z, t, sc, known_mask)``.
+
 The functions are traceable, not jitted: a caller jits them with the network parameters as
 arguments (``jax.jit(lambda params, key, e: euler_sample(key, partial(apply, params), e, ...))``)
 so nothing is closed over; static settings (shapes, nfe, grid, c, guidance...) are Python
@@ -31,11 +37,12 @@ import numpy as np
 from relf_jax.flow.singular import DEFAULT_T_EPS, posterior_logits
 from relf_jax.flow.step import fused_flow_step
 
-ResidualFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+ResidualFn = Callable[..., jax.Array]  # (z, t, sc) -> residual logits; (z, t, sc, known_mask) for "clean" prompts
 
 GRIDS = ("uniform", "cosine", "late")
 SAMPLERS = ("euler", "stochastic")
 RENOISE = ("linear", "marginal")
+PROMPT_MODES = ("renoise", "clean")
 KNOWN_KEY_SALT = 0x6B6E  # folded into a sampler's key for the prompt positions' noise (unconditional draws unchanged)
 
 
@@ -47,7 +54,8 @@ class FlowSamplerSettings:
     c: residual bound (None = unbounded). guidance: self-conditioning guidance scale w.
     use_singular: add the singular logits (False = ablation). t_eps: clamp of 1 - t.
     gamma: renoise strength of the stochastic sampler (a = 1 - gamma h); renoise: its noise
-    scale, see `stochastic_integrate`.
+    scale, see `stochastic_integrate`. prompt: how prompted sampling holds the prompt, one of
+    `PROMPT_MODES` (module doc).
     """
 
     nfe: int = 16
@@ -59,6 +67,7 @@ class FlowSamplerSettings:
     t_eps: float = DEFAULT_T_EPS
     gamma: float = 1.0
     renoise: str = "linear"
+    prompt: str = "renoise"
 
     def __post_init__(self):
         if self.nfe < 1:
@@ -69,6 +78,8 @@ class FlowSamplerSettings:
             raise ValueError(f"unknown sampler {self.sampler!r}; expected one of {SAMPLERS}")
         if self.renoise not in RENOISE:
             raise ValueError(f"unknown renoise {self.renoise!r}; expected one of {RENOISE}")
+        if self.prompt not in PROMPT_MODES:
+            raise ValueError(f"unknown prompt mode {self.prompt!r}; expected one of {PROMPT_MODES}")
         if self.c is not None and not self.c > 0:
             raise ValueError(f"c must be positive or None, got {self.c}")
         if not 0 < self.t_eps < 1:
@@ -98,12 +109,16 @@ def time_grid(nfe: int, kind: str = "uniform") -> jax.Array:
     return jnp.asarray(t, jnp.float32)
 
 
-def guided_residual(residual_fn: ResidualFn, z: jax.Array, t: jax.Array, sc: jax.Array, guidance: float) -> jax.Array:
-    """Self-conditioning guidance f(0) + w (f(sc) - f(0)) on the residual logits [B, L, V]."""
+def guided_residual(residual_fn: ResidualFn, z: jax.Array, t: jax.Array, sc: jax.Array, guidance: float,
+                    known_mask: jax.Array | None = None) -> jax.Array:
+    """Self-conditioning guidance f(0) + w (f(sc) - f(0)) on the residual logits [B, L, V].
+    known_mask [B, L] (clean prompt positions) is passed on as the network's 4th argument."""
+    extra = () if known_mask is None else (known_mask,)
     if guidance == 1.0:
-        return jnp.asarray(residual_fn(z, t, sc), jnp.float32)
+        return jnp.asarray(residual_fn(z, t, sc, *extra), jnp.float32)
+    extra = () if known_mask is None else (jnp.concatenate([known_mask, known_mask]),)
     both = residual_fn(
-        jnp.concatenate([z, z]), jnp.concatenate([t, t]), jnp.concatenate([sc, jnp.zeros_like(sc)])
+        jnp.concatenate([z, z]), jnp.concatenate([t, t]), jnp.concatenate([sc, jnp.zeros_like(sc)]), *extra
     )
     f_sc, f_zero = jnp.split(jnp.asarray(both, jnp.float32), 2)
     return f_zero + guidance * (f_sc - f_zero)
@@ -119,8 +134,9 @@ def final_tokens(
     guidance: float = 1.0,
     use_singular: bool = True,
     t_eps: float = DEFAULT_T_EPS,
+    known_mask: jax.Array | None = None,
 ) -> jax.Array:
-    """argmax [B, L] int32 of the posterior at t = 1.
+    """argmax [B, L] int32 of the posterior at t = 1 (known_mask: as in `guided_residual`).
 
     With the singular logits on, s at t = 1 scales like 1 / t_eps^2 and a residual bounded by
     c cannot move the argmax (it is the nearest embedding row), so the network is not called.
@@ -130,7 +146,7 @@ def final_tokens(
     if use_singular and c is not None:
         logits = posterior_logits(z, t_one, embeddings, None, use_singular=True, t_eps=t_eps)
     else:
-        f = guided_residual(residual_fn, z, t_one, sc, guidance)
+        f = guided_residual(residual_fn, z, t_one, sc, guidance, known_mask)
         logits = posterior_logits(z, t_one, embeddings, f, c=c, use_singular=use_singular, t_eps=t_eps)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
@@ -147,15 +163,17 @@ def euler_integrate(
     t_eps: float = DEFAULT_T_EPS,
     known=None,
     known_key: jax.Array | None = None,
+    prompt: str = "renoise",
 ) -> tuple[jax.Array, jax.Array]:
     """Euler ODE from z0 [B, L, d] over times ts [n + 1]; returns (Z at ts[-1], last X1_hat).
 
-    known: optional (mask [B, L] bool, x1 [B, L, d]) positions to condition on (a prompt), with
-    `known_key` for their noise: before every network call they are set to a fresh draw of the
-    path at the current time, ``t * x1 + (1 - t) * eps``, and they end on x1 (see `_integrate`)."""
+    known: optional (mask [B, L] bool, x1 [B, L, d]) positions to condition on (a prompt).
+    prompt="renoise": with `known_key` for their noise, before every network call they are set to
+    a fresh draw of the path at the current time, ``t * x1 + (1 - t) * eps``, and they end on x1
+    (see `_integrate`). prompt="clean": they hold x1 and the network is told which they are."""
     return _integrate(z0, residual_fn, embeddings, ts, None, c=c, guidance=guidance,
                       use_singular=use_singular, t_eps=t_eps, gamma=0.0, renoise="linear", known=known,
-                      known_key=known_key)
+                      known_key=known_key, prompt=prompt)
 
 
 def stochastic_integrate(
@@ -173,9 +191,10 @@ def stochastic_integrate(
     renoise: str = "linear",
     known=None,
     known_key: jax.Array | None = None,
+    prompt: str = "renoise",
 ) -> tuple[jax.Array, jax.Array]:
     """Stochastic sampler from z0 [B, L, d]; step_keys [n] (one per step; the last is unused).
-    known / known_key: prompt conditioning, as in `euler_integrate`.
+    known / known_key / prompt: prompt conditioning, as in `euler_integrate`.
 
     Step i (t -> t_next, h = t_next - t), except the last: a = clip(1 - gamma h, 0, 1),
     move back to t' = a t with Z' = a Z + sigma eps (fresh eps), then Euler from t' to t_next.
@@ -185,18 +204,23 @@ def stochastic_integrate(
     """
     return _integrate(z0, residual_fn, embeddings, ts, step_keys, c=c, guidance=guidance,
                       use_singular=use_singular, t_eps=t_eps, gamma=gamma, renoise=renoise, known=known,
-                      known_key=known_key)
+                      known_key=known_key, prompt=prompt)
 
 
 def _integrate(z0, residual_fn, embeddings, ts, step_keys, *, c, guidance, use_singular, t_eps,
-               gamma, renoise, known=None, known_key=None):
+               gamma, renoise, known=None, known_key=None, prompt="renoise"):
     """The shared scan. Prompt conditioning ("replacement"): the known positions are redrawn
     from their path with fresh noise before every network call. Holding them on one path
     ``t x1 + (1 - t) z0`` instead is a cruder approximation: with the exact denoiser of a
     sequence mixture it ended 6.7-8.3 % of samples on a sequence the prompt rules out, against
-    1.1-1.4 % with fresh noise (4,000 samples, 64 NFE; tests/test_flow_math.py bounds the rate)."""
-    if known is not None and known_key is None:
+    1.1-1.4 % with fresh noise (4,000 samples, 64 NFE; tests/test_flow_math.py bounds the rate).
+    prompt="clean" (a model trained with clean, flagged prompts) holds them at x1 instead."""
+    if prompt not in PROMPT_MODES:
+        raise ValueError(f"unknown prompt mode {prompt!r}; expected one of {PROMPT_MODES}")
+    clean = prompt == "clean"
+    if known is not None and not clean and known_key is None:
         raise ValueError("prompt conditioning (known=...) needs known_key for the known positions' noise")
+    known_mask = known[0] if known is not None and clean else None
     z0 = jnp.asarray(z0, jnp.float32)
     embeddings = jnp.asarray(embeddings, jnp.float32)
     ts = jnp.asarray(ts, jnp.float32)
@@ -218,22 +242,22 @@ def _integrate(z0, residual_fn, embeddings, ts, step_keys, *, c, guidance, use_s
             eps = jax.random.normal(key, z.shape, jnp.float32)
             z = a * z + sigma * eps
             t = a * t
-        if known is not None:  # a fresh noisy view of the prompt at the current time
+        if known is not None:  # the prompt: itself (clean), or a fresh noisy view at the current time
             mask, x1 = known
-            eps_known = jax.random.normal(kkey, z.shape, jnp.float32)
-            z = jnp.where(mask[..., None], t * x1 + (1.0 - t) * eps_known, z)
+            eps_known = None if clean else jax.random.normal(kkey, z.shape, jnp.float32)
+            z = jnp.where(mask[..., None], x1 if clean else t * x1 + (1.0 - t) * eps_known, z)
         tb = jnp.full((batch,), t, jnp.float32)
-        f = guided_residual(residual_fn, z, tb, sc, guidance)
+        f = guided_residual(residual_fn, z, tb, sc, guidance, known_mask)
         z_next, x1_hat = fused_flow_step(z, tb, jnp.full((batch,), t_to, jnp.float32), f, embeddings,
                                          c=c, use_singular=use_singular, t_eps=t_eps)
         if known is not None:  # the known positions end the step on their path (x1 at t = 1)
-            z_next = jnp.where(mask[..., None], t_to * x1 + (1.0 - t_to) * eps_known, z_next)
+            z_next = jnp.where(mask[..., None], x1 if clean else t_to * x1 + (1.0 - t_to) * eps_known, z_next)
             x1_hat = jnp.where(mask[..., None], x1, x1_hat)
         return (z_next, x1_hat), None
 
     n = t_now.shape[0]
     keys = step_keys if stochastic else jnp.zeros((n,), jnp.uint32)
-    kkeys = jax.random.split(known_key, n) if known is not None else jnp.zeros((n,), jnp.uint32)
+    kkeys = jax.random.split(known_key, n) if known is not None and not clean else jnp.zeros((n,), jnp.uint32)
     (z, sc), _ = jax.lax.scan(step, (z0, jnp.zeros_like(z0)), (t_now, t_next, a_all, keys, kkeys))
     return z, sc
 
@@ -246,19 +270,21 @@ def _land(z, tokens, embeddings, use_singular):
     return z
 
 
-def _known_key(key, known):
-    """The prompt positions' noise key, folded from the sampler's key (None without a prompt)."""
-    return None if known is None else jax.random.fold_in(key, KNOWN_KEY_SALT)
+def _known_key(key, known, prompt="renoise"):
+    """The prompt positions' noise key, folded from the sampler's key (None without a prompt or
+    when the prompt is held clean)."""
+    return None if known is None or prompt == "clean" else jax.random.fold_in(key, KNOWN_KEY_SALT)
 
 
 def _check_static(nfe, grid, c, t_eps):
     FlowSamplerSettings(nfe=nfe, grid=grid, c=c, t_eps=t_eps)
 
 
-def _finish(residual_fn, z, sc, embeddings, *, c, guidance, use_singular, t_eps):
+def _finish(residual_fn, z, sc, embeddings, *, c, guidance, use_singular, t_eps, known=None, prompt="renoise"):
     """(argmax tokens at t = 1, landed Z_1) after either integrator."""
+    known_mask = known[0] if known is not None and prompt == "clean" else None
     tokens = final_tokens(residual_fn, z, sc, embeddings, c=c, guidance=guidance,
-                          use_singular=use_singular, t_eps=t_eps)
+                          use_singular=use_singular, t_eps=t_eps, known_mask=known_mask)
     return tokens, _land(z, tokens, embeddings, use_singular)
 
 
@@ -276,6 +302,7 @@ def euler_sample(
     use_singular: bool = True,
     t_eps: float = DEFAULT_T_EPS,
     known=None,
+    prompt: str = "renoise",
 ) -> tuple[jax.Array, jax.Array]:
     """Euler ODE sampler: (tokens [B, L] int32, Z at t = 1 [B, L, d] float32).
 
@@ -289,8 +316,9 @@ def euler_sample(
     z0 = jax.random.normal(key, (batch, length, jnp.shape(embeddings)[1]), jnp.float32)
     z, sc = euler_integrate(z0, residual_fn, embeddings, time_grid(nfe, grid), c=c, guidance=guidance,
                             use_singular=use_singular, t_eps=t_eps, known=known,
-                            known_key=_known_key(key, known))
-    return _finish(residual_fn, z, sc, embeddings, c=c, guidance=guidance, use_singular=use_singular, t_eps=t_eps)
+                            known_key=_known_key(key, known, prompt), prompt=prompt)
+    return _finish(residual_fn, z, sc, embeddings, c=c, guidance=guidance, use_singular=use_singular, t_eps=t_eps,
+                   known=known, prompt=prompt)
 
 
 def stochastic_sample(
@@ -309,6 +337,7 @@ def stochastic_sample(
     t_eps: float = DEFAULT_T_EPS,
     renoise: str = "linear",
     known=None,
+    prompt: str = "renoise",
 ) -> tuple[jax.Array, jax.Array]:
     """Stochastic sampler (see `stochastic_integrate`): (tokens [B, L] int32, Z_1 [B, L, d])."""
     _check_static(nfe, grid, c, t_eps)
@@ -319,8 +348,9 @@ def stochastic_sample(
     z, sc = stochastic_integrate(z0, jax.random.split(noise_key, nfe), residual_fn, embeddings,
                                  time_grid(nfe, grid), c=c, gamma=gamma, guidance=guidance,
                                  use_singular=use_singular, t_eps=t_eps, renoise=renoise, known=known,
-                                 known_key=_known_key(key, known))
-    return _finish(residual_fn, z, sc, embeddings, c=c, guidance=guidance, use_singular=use_singular, t_eps=t_eps)
+                                 known_key=_known_key(key, known, prompt), prompt=prompt)
+    return _finish(residual_fn, z, sc, embeddings, c=c, guidance=guidance, use_singular=use_singular, t_eps=t_eps,
+                   known=known, prompt=prompt)
 
 
 def sample(
@@ -336,8 +366,9 @@ def sample(
     """Run the sampler `settings.sampler` with those settings: (tokens [B, L], Z_1 [B, L, d]).
 
     known: optional (mask [B, L] bool, x1 [B, L, d]) positions to condition on (a prompt); their
-    noise comes from `key` too (see `euler_integrate`)."""
+    noise comes from `key` too (see `euler_integrate`); `settings.prompt` says how it is held."""
     common = {"batch": batch, "length": length, "nfe": settings.nfe, "c": settings.c, "known": known,
+              "prompt": settings.prompt,
               "guidance": settings.guidance, "grid": settings.grid,
               "use_singular": settings.use_singular, "t_eps": settings.t_eps}
     if settings.sampler == "euler":

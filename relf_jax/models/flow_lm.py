@@ -10,6 +10,10 @@ position embedding (rows are whole documents that start at position 0, and at sm
 noisy input carries no position information that rotary attention could use); t enters every
 block through adaLN conditioning (a sinusoidal embedding followed by an MLP). Attention is
 bidirectional.
+
+With ``cfg.flow_prompt_input`` the network also takes ``known`` [B, L] bool: a learned vector is
+added at the positions that hold a clean prompt (z there is the token's embedding itself), so it
+can tell a given token from a noisy one at the same time t (trained by `flow.prompt_prob`).
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ class FlowLM(nnx.Module):
         self.in_sc = make_param(rngs, init, (d_emb, d), (None, "embed"), pdtype)
         self.pos = make_param(rngs, jax.nn.initializers.normal(stddev=1.0), (cfg.max_seq_len, d), (None, "embed"),
                               pdtype)
+        # zeros: a model that never sees a prompt in training computes exactly what it would without it
+        self.in_known = (make_param(rngs, jax.nn.initializers.zeros, (d,), ("embed",), pdtype)
+                         if cfg.flow_prompt_input else None)
         self.time_in = make_param(rngs, jax.nn.initializers.normal(stddev=TIME_FEATURES ** -0.5),
                                   (TIME_FEATURES, d), (None, "embed"), pdtype)
         self.time_out = make_param(rngs, jax.nn.initializers.normal(stddev=d ** -0.5), (d, d),
@@ -66,14 +73,20 @@ class FlowLM(nnx.Module):
         self.final_norm = RMSNorm(d, eps=cfg.norm_eps, rngs=rngs, param_dtype=pdtype)
         self.out = make_param(rngs, jax.nn.initializers.zeros, (d, cfg.vocab_size), ("embed", "vocab"), pdtype)
 
-    def __call__(self, z: jax.Array, sc: jax.Array, t: jax.Array) -> jax.Array:
-        """Residual logits [B, L, V] (float32) for noisy embeddings z, self-conditioning sc, time t."""
+    def __call__(self, z: jax.Array, sc: jax.Array, t: jax.Array, known: jax.Array | None = None) -> jax.Array:
+        """Residual logits [B, L, V] (float32) for noisy embeddings z, self-conditioning sc, time t;
+        known [B, L] bool flags clean prompt positions (only for a model built with
+        ``flow_prompt_input``)."""
         b, length, _ = z.shape
         dt = self.dtype
         if length > self.pos.shape[0]:
             raise ValueError(f"sequence length {length} exceeds model.max_seq_len={self.pos.shape[0]}")
         x = (z.astype(dt) @ self.in_z[...].astype(dt)) + (sc.astype(dt) @ self.in_sc[...].astype(dt))
         x = x + self.pos[:length].astype(dt)[None]
+        if known is not None:
+            if self.in_known is None:
+                raise ValueError("this ReLF model was not built with a prompt input (model.flow_prompt_input)")
+            x = x + known[..., None].astype(dt) * self.in_known[...].astype(dt)
         x = constrain(x, ("batch", "length", "embed"))
         cond = jax.nn.silu(time_features(t) @ self.time_in[...].astype(jnp.float32))
         cond = cond @ self.time_out[...].astype(jnp.float32)

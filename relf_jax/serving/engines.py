@@ -495,11 +495,12 @@ class _FlowSlot:
 class ReLFEngine(Engine):
     """The whole reply in one step: the ReLF flow sampler over the model's full length.
 
-    The prompt's positions are held on the path of their token embeddings (at time t the state
-    there is ``t * e + (1 - t) * z0``, the interpolant the model was trained on), so the flow
-    fills in the rest conditioned on them; the reply is what follows the prompt up to the first
-    stop token. `nfe` network calls per reply; temperature and top_p do not apply (the sampler's
-    own noise, seeded per request, makes the choice).
+    The flow fills in the positions after the prompt conditioned on it; the reply is what
+    follows the prompt up to the first stop token. A model trained with clean, flagged prompts
+    (``flow.prompt_prob`` > 0) sees the prompt as it is; any other model sees it redrawn on the
+    path of its token embeddings (``t * e + (1 - t) * eps``, fresh eps) before every call (see
+    `relf_jax.flow.samplers`). `nfe` network calls per reply; temperature and top_p do not apply
+    (the sampler's own noise, seeded per request, makes the choice).
     """
 
     def __init__(self, lm, num_slots: int = 8, *, nfe: int | None = None, name: str = "relf"):
@@ -513,7 +514,8 @@ class ReLFEngine(Engine):
         self.flow_settings = FlowSamplerSettings(nfe=nfe or f.nfe, grid=f.grid, sampler=f.sampler,
                                                  c=f.residual_bound, guidance=f.guidance,
                                                  use_singular=f.use_singular, t_eps=f.t_eps, gamma=f.gamma,
-                                                 renoise=f.renoise)
+                                                 renoise=f.renoise,
+                                                 prompt="clean" if lm.model_cfg.flow_prompt_input else "renoise")
         self.table = jnp.asarray(flow_table(lm), jnp.float32)
         self.tokenizer = lm.tokenizer
         self.length = lm.cfg.data.seq_len
@@ -547,8 +549,8 @@ class ReLFEngine(Engine):
 
         graphdef, table, settings = self.lm.graphdef, self.table, self.flow_settings
 
-        def residual(z, t, sc):
-            return nnx.merge(graphdef, params)(z, sc, t)
+        def residual(z, t, sc, known=None):
+            return nnx.merge(graphdef, params)(z, sc, t, known)
 
         def one(sl: _FlowSlot):
             known = jnp.arange(self.length) < sl.prompt_len
