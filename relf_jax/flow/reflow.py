@@ -54,21 +54,23 @@ def rollout_pairs(graphdef, params, embeddings, key, *, n: int, length: int, set
 def measure_straightness(graphdef, params, embeddings, z0, tokens, *, settings: FlowLossSettings,
                          num_times: int = 8) -> float:
     """E || (E[w_hat] - Z_0) - v(Z_t, t) ||^2 on the straight path of each pair (sc = 0)."""
-    embeddings = jnp.asarray(embeddings, jnp.float32)
+    return float(_straightness(graphdef, params, jnp.asarray(embeddings, jnp.float32), jnp.asarray(z0),
+                               jnp.asarray(tokens), settings=settings, num_times=num_times))
 
-    @jax.jit
-    def run(params, z0, tokens):
-        fn = _residual_fn(graphdef, params)
 
-        def v_fn(z, t):
-            logits = posterior_logits(z, t, embeddings, fn(z, t, jnp.zeros_like(z)), c=settings.residual_bound,
-                                      use_singular=settings.use_singular, t_eps=settings.t_eps)
-            return velocity(z, t, posterior_mean(jax.nn.softmax(logits, -1), embeddings), settings.t_eps)
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings", "num_times"))
+def _straightness(graphdef, params, embeddings, z0, tokens, *, settings: FlowLossSettings, num_times: int):
+    """Compiled once per network structure, settings and shapes (a reflow round measures before
+    and after training with the same program)."""
+    fn = _residual_fn(graphdef, params)
 
-        ts = (jnp.arange(num_times, dtype=jnp.float32) + 0.5) / num_times
-        return straightness(z0, jnp.take(embeddings, tokens, axis=0), v_fn, ts)
+    def v_fn(z, t):
+        logits = posterior_logits(z, t, embeddings, fn(z, t, jnp.zeros_like(z)), c=settings.residual_bound,
+                                  use_singular=settings.use_singular, t_eps=settings.t_eps)
+        return velocity(z, t, posterior_mean(jax.nn.softmax(logits, -1), embeddings), settings.t_eps)
 
-    return float(run(params, jnp.asarray(z0), jnp.asarray(tokens)))
+    ts = (jnp.arange(num_times, dtype=jnp.float32) + 0.5) / num_times
+    return straightness(z0, jnp.take(embeddings, tokens, axis=0), v_fn, ts)
 
 
 def make_reflow_loss(settings: FlowLossSettings, data_weight: float = 0.2):
