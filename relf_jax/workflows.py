@@ -320,6 +320,7 @@ def reflow(workdir: str, rounds: int = 2, *, num_pairs: int = 512, rollout_nfe: 
     if os.path.exists(report):
         with open(report) as f:
             done = {d["round"]: d for d in json.load(f)}
+    losses, step_cache = {}, {}  # rounds with the same settings share one compiled train step
     for r in range(1, rounds + 1):
         lm = load_model(source, "relf")
         cfg = lm.cfg
@@ -341,10 +342,12 @@ def reflow(workdir: str, rounds: int = 2, *, num_pairs: int = 512, rollout_nfe: 
         rcfg = dataclasses.replace(cfg, train=train_cfg, workdir=target_dir)
         data = pipeline.make_iterator(builder, "train", lm.tokenizer, seq_len=cfg.data.seq_len,
                                       batch_size=train_cfg.batch_size, seed=train_cfg.seed + r, rows=row_mode(cfg))
-        res = train(rcfg, lm.model_cfg, make_reflow_loss(settings, data_weight),
+        loss = losses.setdefault(settings, make_reflow_loss(settings, data_weight))
+        res = train(rcfg, lm.model_cfg, loss,
                     PairBatches(z0, toks, data, batch_size=train_cfg.batch_size, seed=r), workdir=target_dir,
                     mesh=mesh, tokenizer_bytes=lm.tokenizer.to_bytes(), frozen={"embeddings": table},
-                    init_params=lm.params, extra_meta={"embeddings": EMBEDDINGS_FILE, "reflow_round": r})
+                    init_params=lm.params, extra_meta={"embeddings": EMBEDDINGS_FILE, "reflow_round": r},
+                    step_cache=step_cache)
         after = measure_straightness(res.graphdef, res.params, table, z0, toks, settings=settings)
         results.append({"round": r, "straightness_before": before, "straightness_after": after,
                         "model_dir": os.path.abspath(target_dir)})

@@ -154,3 +154,30 @@ def test_sharded_step_on_8_devices_matches_1_device(tmp_path):
     np.testing.assert_allclose(eight["final"], one["final"], rtol=1e-5, atol=1e-5)
     # the 8-device parameters really are sharded over the mesh
     assert any("fsdp" in s or "tensor" in s for s in eight["specs"]), eight["specs"]
+
+
+def test_step_cache_reuses_the_compiled_step_only_when_the_optimizer_matches(tmp_path, tiny_model_cfg):
+    """Continual learning trains the same model in short resumed calls: with a `step_cache` the
+    second call reuses the first call's compiled step when the learning rate does not depend on
+    train.steps, and the result equals an uninterrupted run bitwise."""
+    flat = ["train.warmup_steps=0", "train.min_lr_ratio=1.0", "train.checkpoint_every=2"]
+    cache = {}
+    for steps in (2, 4):
+        res = train(_cfg(*flat, f"train.steps={steps}"), tiny_model_cfg, next_token_loss, CountingBatches(),
+                    workdir=str(tmp_path / "cached"), tensorboard=False, step_cache=cache)
+    assert res.resumed_from == 2 and res.step == 4 and len(cache) == 1
+    (compiled,) = cache.values()
+    assert compiled._cache_size() == 1  # one compilation served both calls
+    whole = train(_cfg(*flat, "train.steps=4"), tiny_model_cfg, next_token_loss, CountingBatches(),
+                  workdir=str(tmp_path / "whole"), tensorboard=False)
+    for a, b in zip(jax.tree.leaves(res.params), jax.tree.leaves(whole.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # a warmup or a decaying schedule depends on train.steps: then a new total needs a new step
+    from relf_jax.train.loop import optimizer_signature
+
+    def sig(*over):
+        return optimizer_signature(_cfg(*over).train)
+
+    assert sig(*flat, "train.steps=2") == sig(*flat, "train.steps=4")
+    assert sig("train.warmup_steps=0", "train.steps=2") != sig("train.warmup_steps=0", "train.steps=4")
+    assert sig("train.min_lr_ratio=1.0", "train.steps=2") != sig("train.min_lr_ratio=1.0", "train.steps=4")

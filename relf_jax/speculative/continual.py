@@ -123,6 +123,10 @@ class ContinualDraftTrainer:
         self.store = ReplayStore(os.path.join(self.workdir, "replay"))
         self.params = draft.params
         self.history: list[dict] = []
+        # one loss object and one compiled train step for every cycle (the learning rate is
+        # constant, so the step does not depend on the cycle's step count)
+        self._loss = make_rcsd_loss(draft.graphdef, settings.loss)
+        self._step_cache: dict = {}
         progress = self.progress()
         if progress["trained"] > 0:  # resume: the latest trained draft
             from relf_jax.train.loop import load_params
@@ -194,10 +198,10 @@ class ContinualDraftTrainer:
         cfg = self._train_cfg(cycle)
         data = ReplayBatches(self.store, s.batch_size, recent_shards=recent_shards,
                              recent_fraction=s.recent_fraction, seed=s.seed)
-        res = train(cfg, self.reference.model_cfg, make_rcsd_loss(self.reference.graphdef, s.loss), data,
+        res = train(cfg, self.reference.model_cfg, self._loss, data,
                     workdir=cfg.workdir, tokenizer_bytes=self.reference.tokenizer.to_bytes(),
                     frozen=self.reference.params, init_params=self.reference.params, tensorboard=False,
-                    extra_meta={"role": "draft", "rcsd": dataclasses.asdict(s.loss)})
+                    extra_meta={"role": "draft", "rcsd": dataclasses.asdict(s.loss)}, step_cache=self._step_cache)
         self.params = res.params
         return res
 

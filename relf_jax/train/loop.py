@@ -167,7 +167,8 @@ def put_batch(batch: dict, mesh) -> dict:
 def train(cfg: Config, model_cfg: ModelConfig, loss_fn: LossFn, data: Iterator[dict], *,
           eval_data: Iterable[dict] = (), workdir: Optional[str] = None, mesh=None,
           tokenizer_bytes: Optional[bytes] = None, extra_meta: Optional[dict] = None,
-          tensorboard: bool = True, frozen: Any = None, init_params: Any = None) -> TrainResult:
+          tensorboard: bool = True, frozen: Any = None, init_params: Any = None,
+          step_cache: Optional[dict] = None) -> TrainResult:
     """Train `model_cfg` on `data` for ``cfg.train.steps`` steps, resuming from `workdir`.
 
     data: an iterator of numpy batches (grain iterators' ``get_state``/``set_state`` are used
@@ -176,6 +177,11 @@ def train(cfg: Config, model_cfg: ModelConfig, loss_fn: LossFn, data: Iterator[d
     e.g. a teacher's parameters; sharded by their logical axes like the parameters.
     init_params: start from these parameters (fresh optimizer) instead of a random init when
     `workdir` has no checkpoint yet, e.g. the previous reflow round's model.
+    step_cache: a dict the caller keeps across calls that train the same model with the same
+    `loss_fn` object (e.g. the cycles of continual learning): the compiled train step is reused
+    when the mesh, shardings and optimizer (`optimizer_signature`) match, instead of being
+    compiled again. The step closes over the first call's optimizer, so the signature leaves out
+    ``train.steps`` only when the learning rate does not depend on it.
     """
     tc = cfg.train
     workdir = os.path.abspath(workdir or cfg.workdir)
@@ -251,7 +257,15 @@ def train(cfg: Config, model_cfg: ModelConfig, loss_fn: LossFn, data: Iterator[d
                 batch = put_batch(np_batch, mesh)
                 if train_step is None:
                     batch_sh = jax.tree.map(lambda x: x.sharding, batch)
-                    train_step = make_train_step(plan, loss_fn, tc.grad_accum, batch_sh, frozen_sh)
+                    key = (plan.graphdef, loss_fn, tc.grad_accum, optimizer_signature(tc), mesh,
+                           jax.tree.structure(batch_sh), tuple(jax.tree.leaves(batch_sh)),
+                           jax.tree.structure(frozen_sh), tuple(jax.tree.leaves(frozen_sh)))
+                    if step_cache is not None and key in step_cache:
+                        train_step = step_cache[key]
+                    else:
+                        train_step = make_train_step(plan, loss_fn, tc.grad_accum, batch_sh, frozen_sh)
+                        if step_cache is not None:
+                            step_cache[key] = train_step
                 params, opt_state, metrics = train_step(params, opt_state, batch, jax.random.fold_in(rng, step),
                                                         frozen)
                 step += 1
@@ -292,6 +306,14 @@ def train(cfg: Config, model_cfg: ModelConfig, loss_fn: LossFn, data: Iterator[d
     return TrainResult(graphdef=plan.graphdef, params=params, step=step, loss=last_loss,
                        eval_loss=eval_loss, tokens_per_s=tok_per_s, resumed_from=resumed_from,
                        workdir=workdir)
+
+
+def optimizer_signature(tc) -> tuple:
+    """What the compiled train step's optimizer depends on: its hyperparameters, and
+    ``train.steps`` unless the learning-rate schedule is constant (no warmup, min_lr_ratio 1)."""
+    constant = tc.warmup_steps == 0 and tc.min_lr_ratio == 1.0
+    return (tc.learning_rate, tc.warmup_steps, tc.min_lr_ratio, tc.weight_decay, tc.b1, tc.b2, tc.grad_clip,
+            None if constant else tc.steps)
 
 
 def load_params(workdir: str, model_cfg: ModelConfig, train_cfg, mesh=None):
