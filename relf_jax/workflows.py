@@ -157,6 +157,15 @@ def train_relf(cfg: Config, *, mesh=None) -> TrainResult:
                                     flow_prompt_input=cfg.model.flow_prompt_input or cfg.flow.prompt_prob > 0)
     cfg = dataclasses.replace(cfg, model=model_cfg)
     model_dir = os.path.join(cfg.workdir, "relf")
+    if os.path.isdir(os.path.join(model_dir, "checkpoints")):
+        try:
+            before = latest_meta(model_dir)["model"].get("flow_prompt_input", False)
+        except UserError:
+            before = model_cfg.flow_prompt_input  # nothing readable to resume: no conflict
+        if bool(before) != model_cfg.flow_prompt_input:
+            raise UserError(f"the ReLF checkpoint in {model_dir} was trained "
+                            f"{'with' if before else 'without'} clean prompts; resume it with "
+                            f"flow.prompt_prob {'> 0' if before else '= 0'}, or train in another workdir")
     table = flow_embeddings(cfg, builder, tok, model_dir)
     d, t = cfg.data, cfg.train
     rows = row_mode(cfg)

@@ -165,13 +165,17 @@ def test_reflow_cli_rounds(tmp_path, capsys):
     assert lm.step == 20 and len(workflows.sample_relf(lm, 2, nfe=2, batch_size=2).texts) == 2
 
 
-def test_sample_relf_compiles_once_across_calls(tmp_path):
+def test_sample_relf_compiles_once_across_calls(tmp_path, capsys):
     from experiments.launch import main
     from relf_jax import workflows
 
     wd = str(tmp_path)
     assert main(["train", "--preset", "tiny", "--workdir", wd, "model=relf", "data.source=chatterbot",
                  "train.steps=2", "train.progress=false", "data.seq_len=16"]) == 0
+    # resuming it with clean-prompt training would change the network: refused, with a reason
+    assert main(["train", "--preset", "tiny", "--workdir", wd, "model=relf", "data.source=chatterbot",
+                 "train.steps=3", "train.progress=false", "data.seq_len=16", "flow.prompt_prob=0.5"]) == 2
+    assert "without clean prompts" in capsys.readouterr().err
     lm = workflows.load_model(wd, "relf")
     before = workflows._relf_tokens._cache_size()
     for seed in range(3):
