@@ -10,6 +10,7 @@ Parses arguments and calls library functions; holds no method. Config overrides 
     relf-jax eval --workdir runs/tiny
     relf-jax bench spec --out spec.json [--quick]
     relf-jax bench relf --out relf.json [--quick]
+    relf-jax bench relf-toy --out relf_toy.json [--quick]
     relf-jax train --preset tiny --workdir runs/tiny model=relf
     relf-jax reflow --workdir runs/tiny --rounds 2
     relf-jax sample --workdir runs/tiny/relf_reflow2 model=relf nfe=16 sampler=euler
@@ -85,8 +86,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--workdir", default=None)
 
     b = sub.add_parser("bench", help="long measurements written as JSON (bench spec | relf | verify | latency | "
-                                     "flowstep | hf | rcsd | dws | serve)")
-    b.add_argument("which", choices=["spec", "relf", "verify", "latency", "flowstep", "hf", "rcsd", "dws", "serve"])
+                                     "flowstep | hf | rcsd | dws | serve | relf-toy)")
+    b.add_argument("which", choices=["spec", "relf", "verify", "latency", "flowstep", "hf", "rcsd", "dws", "serve",
+                                     "relf-toy"])
     b.add_argument("--out", required=True, help="JSON file to write")
     b.add_argument("--quick", action="store_true", help="tiny preset, a few minutes")
     b.add_argument("--workdir", default=None, help="where models are trained / cached")
@@ -193,6 +195,8 @@ def _run(args) -> int:
             from experiments.bench_dws import bench_dws as run_bench
         elif args.which == "serve":
             from experiments.bench_serve import bench_serve as run_bench
+        elif args.which == "relf-toy":
+            from experiments.bench_relf_toy import bench_relf_toy as run_bench
         else:
             run_bench = getattr(bench, f"bench_{args.which}")
         run_bench(args.out, quick=args.quick, workdir=args.workdir, overrides=args.overrides)
