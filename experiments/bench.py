@@ -26,9 +26,13 @@ from relf_jax.eval.metrics import mean_unigram_entropy
 
 
 def _write_json(path: str, obj) -> None:
+    """Write `obj` to `path` atomically (a temporary file, then a rename): an interrupted write
+    leaves the previous report whole, never a torn one."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
         json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
 
 
 def _ensure_target_and_draft(preset: str, workdir: str, overrides: Sequence[str] = ()):

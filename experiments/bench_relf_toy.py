@@ -22,7 +22,6 @@ only data rows.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.bench import _write_json
 from relf_jax.config import make_config
 
 PAD, EOS, BOS, FIRST_WORD = 0, 1, 2, 3
@@ -188,15 +188,8 @@ def bench_relf_toy(out: str, quick: bool = False, workdir: str | None = None, ov
             result["rows"].append(row)
             print(f"[bench relf-toy] {variant:>12} {sampler:>10}: valid rows {row['valid_share']:.3f}  "
                   f"word CE at t={list(ce)}: {[round(v, 2) for v in ce.values()]}", flush=True)
-            _write(out, {**result, "complete": False})
+            _write_json(out, {**result, "complete": False})
     result["wall_s"] = time.perf_counter() - t0
-    _write(out, {**result, "complete": True})
+    _write_json(out, {**result, "complete": True})
     return result
 
-
-def _write(path: str, obj: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
