@@ -12,6 +12,8 @@ conversations (unconditional, up to ``seq_len`` tokens) from both:
 - ablations at 64 NFE: singular logits off, Gaussian embeddings and the MSE velocity loss
   (each trained at the smaller budget and compared with that budget's ReLF, to save CPU time),
   and a guidance-scale sweep (1, 1.3, 1.7, 2.5) on the full-budget model;
+- our extensions (`EXTENSIONS`, full budget, 64-NFE stochastic and 16-NFE Euler): the
+  auxiliary singular-free head (``flow.aux_weight=1``, variant ``aux_head``);
 - latency of one sequence of ``seq_len`` tokens at batch 1 and 64: AR with its KV cache vs
   ReLF at 16 NFE, and their ratio;
 - straightness of each reflow round's coupling before and after training on it;
@@ -50,6 +52,8 @@ GUIDANCE = (1.0, 1.3, 1.7, 2.5)
 PROMPT_TRAINING = ["flow.prompt_prob=0.5"]
 ABLATIONS = {"no_singular": ["flow.use_singular=false"], "gaussian_embeddings": ["flow.embeddings=gaussian"],
              "mse_loss": ["flow.loss=mse"]}
+# our extensions to the paper's training, trained at the full budget, against the plain ReLF rows
+EXTENSIONS = {"aux_head": ["flow.aux_weight=1"]}
 
 
 def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = ()) -> dict:
@@ -117,6 +121,12 @@ def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overri
         s = workflows.sample_relf(plm, n, nfe=64, sampler="stochastic")
         record(_row(s, judge, method="relf stochastic prompt_training", nfe=64, reflow_rounds=0, steps=steps,
                     variant="prompt_training", batch=plm.cfg.sample.batch_size))
+        for name, extra in EXTENSIONS.items():
+            ewd = _workdir(root, f"steps{steps}_{name}", base)
+            workflows.train_lm(make_config(preset, [*overrides, f"train.steps={steps}", "model=relf", *extra],
+                                           workdir=ewd))
+            elm = workflows.load_model(os.path.join(ewd, "relf"), "relf")
+            _relf_rows(record, elm, judge, n, steps, rounds=0, variant=name, nfes=(16,))
         from experiments.bench import held_out_prompts
         prompted = prompted_rows(ar_lm, lm, plm, judge, held_out_prompts(cfg, 16 if quick else 128), steps=steps)
         straight = workflows.reflow(wd, rounds=2, num_pairs=64 if quick else 512, steps=max(1, steps // 2))
@@ -238,7 +248,7 @@ def _cut_turns(samples, tok=None):
     return dataclasses.replace(samples, token_ids=ids, texts=[tok.decode(b) for b in ids], complete=ended)
 
 
-def _relf_rows(record, lm, judge, n, steps, *, rounds, variant, renoise_pair=False):
+def _relf_rows(record, lm, judge, n, steps, *, rounds, variant, renoise_pair=False, nfes=EULER_NFES):
     from relf_jax import workflows
 
     renoises = ("linear", "marginal") if renoise_pair else (lm.cfg.flow.renoise,)
@@ -246,7 +256,7 @@ def _relf_rows(record, lm, judge, n, steps, *, rounds, variant, renoise_pair=Fal
         s = workflows.sample_relf(lm, n, nfe=64, sampler="stochastic", renoise=renoise)
         record(_row(s, judge, method=f"relf stochastic {renoise}", nfe=64, reflow_rounds=rounds, steps=steps,
                     variant=variant, renoise=renoise, batch=lm.cfg.sample.batch_size))
-    for nfe in EULER_NFES:
+    for nfe in nfes:
         s = workflows.sample_relf(lm, n, nfe=nfe, sampler="euler")
         record(_row(s, judge, method="relf euler", nfe=nfe, reflow_rounds=rounds, steps=steps, variant=variant,
                     batch=lm.cfg.sample.batch_size))
@@ -349,6 +359,16 @@ def targets(rows: Sequence[dict], budgets: Sequence[int], prompted: Sequence[dic
                                       "entropy_delta": r["entropy"] - pre64["entropy"]}
     if abl:
         out["ablations_vs_relf64"] = abl
+    ext = {}
+    for name in EXTENSIONS:
+        for nfe, method in ((64, "relf stochastic marginal"), (16, "relf euler")):
+            r = _pick(rows, variant=name, nfe=nfe, method=method)
+            base = _pick(rows, variant="relf", train_steps=full, nfe=nfe, reflow_rounds=0, method=method)
+            if r is not None and base is not None:
+                ext[f"{name}_nfe{nfe}"] = {"gen_ppl_over_relf": _ratio(r["gen_ppl"], base["gen_ppl"]),
+                                           "entropy_delta": r["entropy"] - base["entropy"]}
+    if ext:
+        out["extensions_vs_relf"] = ext
     marg = _pick(rows, variant="relf", train_steps=full, nfe=64, reflow_rounds=0, renoise="marginal")
     lin = _pick(rows, variant="relf", train_steps=full, nfe=64, reflow_rounds=0, renoise="linear")
     if marg and lin:

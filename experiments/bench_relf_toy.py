@@ -10,13 +10,15 @@ Variants, all on fixed Gaussian embeddings (non-degenerate, row norm `embed_norm
 - ``exact``: the exact posterior (as a residual on the singular logits, bound 1e4); no training;
 - ``singular``: the shipped parametrisation, ``logits = s + c tanh(f / c)``, trained with the
   shipped flow loss through the generic train loop (self-conditioning off);
-- ``no_singular``: the same network and loss without the singular logits (the ablation).
+- ``no_singular``: the same network and loss without the singular logits (the ablation);
+- ``aux``: the shipped parametrisation plus the auxiliary singular-free head
+  (``flow.aux_weight`` = `aux_weight`; sampling uses the main head only).
 
 Reported per variant and sampler (Euler, stochastic; `nfe` steps): the share of samples that are
 a data row, and the CE of the posterior at the word positions at a few times t.
 Measured (`benchmarks/relf_toy_cpu.json`, README's ReLF section): at 600 steps the shipped
-parametrisation returns no sample that is a data row; the network without singular logits returns
-only data rows.
+parametrisation returns no sample that is a data row (its posterior is the positional prior's);
+the network without singular logits returns only data rows; the auxiliary head recovers part.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class ToySizes:
     samples: int = 128
     nfe: int = 64
     probe_times: tuple[float, ...] = (0.2, 0.3, 0.5)
+    aux_weight: float = 1.0  # the ``aux`` variant's flow.aux_weight
     seed: int = 0
 
 
@@ -127,7 +130,8 @@ def word_ce(residual, table, rows, *, t: float, c, use_singular: bool, n: int = 
     return float(jnp.mean(ce[x >= FIRST_WORD]))
 
 
-def _train(sz: ToySizes, rows, table, *, use_singular: bool, workdir: str, overrides: Sequence[str]):
+def _train(sz: ToySizes, rows, table, *, use_singular: bool, aux_weight: float, workdir: str,
+           overrides: Sequence[str]):
     from relf_jax.flow.losses import FlowLossSettings, make_flow_loss
     from relf_jax.train.loop import train
 
@@ -136,15 +140,15 @@ def _train(sz: ToySizes, rows, table, *, use_singular: bool, workdir: str, overr
                                   f"train.eval_every={sz.steps}", f"train.seed={sz.seed}", *overrides],
                       workdir=workdir)
     model_cfg = dataclasses.replace(cfg.model, vocab_size=sz.vocab, max_seq_len=sz.length,
-                                    flow_embed_dim=sz.embed_dim)
+                                    flow_embed_dim=sz.embed_dim, flow_aux_head=aux_weight > 0)
     settings = FlowLossSettings(residual_bound=cfg.flow.residual_bound, use_singular=use_singular,
-                                self_condition_prob=0.0)
+                                self_condition_prob=0.0, aux_weight=aux_weight)
     res = train(cfg, model_cfg, make_flow_loss(settings), ToyBatches(rows, sz.batch, sz.seed), workdir=workdir,
                 tensorboard=False, frozen={"embeddings": table})
     return res, cfg.flow.residual_bound
 
 
-VARIANTS = ("exact", "singular", "no_singular")
+VARIANTS = ("exact", "singular", "no_singular", "aux")
 
 
 def bench_relf_toy(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),
@@ -170,8 +174,9 @@ def bench_relf_toy(out: str, quick: bool = False, workdir: str | None = None, ov
             # bound 1e4: in effect none, while the final decode at t = 1 keeps the singular logits alone
             residual, c = exact_residual(rows, table), 1e4
         else:
-            res, c = _train(sz, rows, table, use_singular=use_singular, workdir=os.path.join(root, variant),
-                            overrides=overrides)
+            res, c = _train(sz, rows, table, use_singular=use_singular,
+                            aux_weight=sz.aux_weight if variant == "aux" else 0.0,
+                            workdir=os.path.join(root, variant), overrides=overrides)
 
             def residual(z, t, sc, *unused, g=res.graphdef, p=res.params):
                 # trained without self-conditioning: it always saw sc = 0, so it gets 0 here too

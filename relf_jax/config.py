@@ -56,6 +56,9 @@ class ModelConfig:
     # relf: a learned "known position" input, so the network can be told which positions hold a
     # clean prompt (set by training with flow.prompt_prob > 0; see relf_jax.flow.losses)
     flow_prompt_input: bool = False
+    # relf: a second, singular-free output head on the same trunk, trained with its own CE
+    # (set by training with flow.aux_weight > 0; see relf_jax.flow.losses). Sampling ignores it.
+    flow_aux_head: bool = False
     block_size: int = 8  # bd: tokens per diffusion block; dws: the block size of the decoder predicted
     max_blocks: int = 16  # dws: output blocks on the workload surface's grid (B_max)
     # dws: "surface" (block head + step head -> S[b, s]) or a scalar baseline on the same encoder
@@ -142,6 +145,12 @@ class FlowConfig:
     # paper's unconditional training (and prompted sampling by renoising the prompt).
     prompt_prob: float = 0.0
     loss: Literal["ce", "mse"] = "ce"
+    # weight of an auxiliary CE on a singular-free head of the same network (our extension; 0: off,
+    # the paper's loss). With the singular logits supplying each position's own evidence the
+    # network tends to learn only the positional prior (`relf-jax bench relf-toy`); the auxiliary
+    # head makes its trunk learn what the tokens are, which the residual can then read from the
+    # context. Measured: README's ReLF section.
+    aux_weight: float = 0.0
     nfe: int = 16
     sampler: Literal["euler", "stochastic"] = "euler"
     grid: Literal["uniform", "cosine", "late"] = "uniform"
@@ -218,6 +227,7 @@ class Config:
         _check(fl.residual_bound > 0 and fl.t_eps > 0 and fl.nfe >= 1 and fl.embed_norm >= 0,
                "flow.residual_bound, flow.t_eps, flow.nfe must be > 0 and flow.embed_norm >= 0")
         _check(0 <= fl.self_condition_prob <= 1, "flow.self_condition_prob must be in [0, 1]")
+        _check(fl.aux_weight >= 0, "flow.aux_weight must be >= 0")
         _check(fl.window >= 1, "flow.window (the Hellinger co-occurrence window) must be >= 1")
         sp = self.speculative
         _check(sp.k >= 1, f"speculative.k must be >= 1, got {sp.k}")

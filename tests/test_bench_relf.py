@@ -31,10 +31,13 @@ def _relf(steps, nfe, rounds, ppl, entropy=3.0, variant="relf", method=None, **k
 
 def test_targets_ratios():
     rows = [_ar(2.0, 20.0, 10), _ar(4.0, 80.0, 10), _ar(2.0, 40.0, 5), _ar(4.0, 160.0, 5),
-            _relf(10, 64, 0, 46.0, renoise="linear"), _relf(10, 64, 0, 50.0, renoise="marginal", entropy=3.2),
+            _relf(10, 64, 0, 46.0, renoise="linear"), _relf(10, 64, 0, 50.0, renoise="marginal", entropy=3.2, method="relf stochastic marginal"),
             _relf(5, 64, 0, 100.0, renoise="linear"),
             _relf(10, 8, 0, 200.0), _relf(10, 8, 2, 120.0), _relf(10, 16, 2, 48.3),
-            _relf(5, 64, 0, 150.0, variant="no_singular"), _relf(10, 64, 0, 46.0, variant="guidance", guidance=1.3)]
+            _relf(5, 64, 0, 150.0, variant="no_singular"), _relf(10, 64, 0, 46.0, variant="guidance", guidance=1.3),
+            _relf(10, 16, 0, 60.0), _relf(10, 64, 0, 40.0, variant="aux_head", method="relf stochastic marginal",
+                                          entropy=3.5),
+            _relf(10, 16, 0, 30.0, variant="aux_head")]
     t = targets(rows, (10, 5))
     m = t["steps10_relf64_vs_ar_at_matched_entropy"]
     assert m["ar_gen_ppl_interpolated"] == pytest.approx(40.0)  # sqrt(20 * 80)
@@ -46,6 +49,10 @@ def test_targets_ratios():
     assert t["ablations_vs_relf64"]["guidance_1.3"]["gen_ppl_over_baseline"] == pytest.approx(1.0)
     assert t["renoise_marginal_over_linear"]["entropy_delta"] == pytest.approx(0.2)
     assert math.isfinite(t["renoise_marginal_over_linear"]["gen_ppl"])
+    # extensions: against the plain model's row of the same sampler (marginal renoise at 64 NFE)
+    assert t["extensions_vs_relf"]["aux_head_nfe64"]["gen_ppl_over_relf"] == pytest.approx(0.8)
+    assert t["extensions_vs_relf"]["aux_head_nfe64"]["entropy_delta"] == pytest.approx(0.3)
+    assert t["extensions_vs_relf"]["aux_head_nfe16"]["gen_ppl_over_relf"] == pytest.approx(0.5)
 
 
 def test_targets_compare_relf_with_the_positional_unigram_reference():

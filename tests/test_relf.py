@@ -100,6 +100,36 @@ def test_prompt_training_loss_skips_the_prompt_and_trains_the_known_input():
         plain(z, z, jnp.zeros((1,)), jnp.ones((1, 4), bool))
 
 
+def test_aux_head_adds_its_weighted_ce_and_leaves_the_residual_alone():
+    cfg = dataclasses.replace(_cfg().model, vocab_size=61, flow_aux_head=True)
+    model = build_model(cfg, nnx.Rngs(0))
+    model.out_aux[...] = 0.1 * jax.random.normal(jax.random.key(2), model.out_aux.shape)
+    g, p = nnx.split(model)
+    batch = {k: jnp.asarray(v) for k, v in next(CountingBatches()).items()}
+    frozen = {"embeddings": jnp.asarray(gaussian_embeddings(61, 8, seed=1))}
+
+    def run(weight):
+        def f(p):
+            return make_flow_loss(FlowLossSettings(aux_weight=weight))(nnx.merge(g, p), batch, jax.random.key(0),
+                                                                        frozen)
+        return jax.jit(jax.value_and_grad(f, has_aux=True))(p)
+
+    (_, m0), g0 = run(0.0)
+    (loss2, m2), g2 = run(2.0)
+    assert "aux_ce" not in m0 and float(jnp.abs(g0["out_aux"][...]).sum()) == 0.0  # off: the head is unused
+    # on: loss = the flow CE (unchanged: the aux head does not enter the posterior) + 2 x its own CE
+    assert float(m2["ce"]) == pytest.approx(float(m0["ce"]), abs=1e-6)
+    assert float(loss2) == pytest.approx(float(m2["ce"]) + 2.0 * float(m2["aux_ce"]), rel=1e-6)
+    assert float(m2["aux_ce"]) > 0 and float(jnp.abs(g2["out_aux"][...]).sum()) > 0
+    z = jax.random.normal(jax.random.key(3), (2, 5, 8))
+    t = jnp.asarray([0.3, 0.7])
+    f, f_aux = model.logits_and_aux(z, jnp.zeros_like(z), t)
+    assert jnp.array_equal(f, model(z, jnp.zeros_like(z), t)) and f_aux.shape == f.shape
+    plain = build_model(dataclasses.replace(cfg, flow_aux_head=False), nnx.Rngs(0))
+    with pytest.raises(ValueError, match="auxiliary head"):
+        plain.logits_and_aux(z, z, t)
+
+
 def test_relf_cli_train_and_sample(tmp_path, capsys):
     from experiments.launch import main
     from relf_jax import workflows
@@ -176,6 +206,9 @@ def test_sample_relf_compiles_once_across_calls(tmp_path, capsys):
     assert main(["train", "--preset", "tiny", "--workdir", wd, "model=relf", "data.source=chatterbot",
                  "train.steps=3", "train.progress=false", "data.seq_len=16", "flow.prompt_prob=0.5"]) == 2
     assert "without clean prompts" in capsys.readouterr().err
+    assert main(["train", "--preset", "tiny", "--workdir", wd, "model=relf", "data.source=chatterbot",
+                 "train.steps=3", "train.progress=false", "data.seq_len=16", "flow.aux_weight=1"]) == 2
+    assert "without an auxiliary head" in capsys.readouterr().err
     lm = workflows.load_model(wd, "relf")
     before = workflows._relf_tokens._cache_size()
     for seed in range(3):

@@ -11,6 +11,13 @@ an argument. For each row of token ids x (the first L tokens of a packed row):
 and the loss is the cross-entropy of x under softmax(logits) (methods.md: CE beat MSE), or, for
 the ablation, the squared error of the predicted velocity against E[x] - eps.
 
+Auxiliary head (``aux_weight`` > 0, our extension; the model needs ``flow_aux_head``): the loss
+adds aux_weight x the cross-entropy of x under softmax(f_aux), a second head on the same trunk
+with no singular logits, on the same positions. Why: with the singular logits supplying each
+position's own evidence, the paper's loss alone leaves the trunk at the positional prior
+(`relf-jax bench relf-toy`); a singular-free classifier makes it learn what each noisy token is,
+which the residual can then read from the neighbours. Sampling never uses the auxiliary head.
+
 Prompt training (``prompt_prob`` > 0, our extension; the model needs ``flow_prompt_input``): in
 that share of rows a prefix of k tokens, k uniform in 1 .. n - 1 for a row of n text (non-pad) tokens, is
 given clean (Z = E[x], sc = E[x] when self-conditioning) and flagged `known`; the loss covers the
@@ -38,6 +45,7 @@ class FlowLossSettings:
     loss: str = "ce"  # ce | mse
     prompt_prob: float = 0.0  # share of rows trained with a clean, flagged prompt prefix
     pad_id: int = -1  # the prefix is drawn within a row's text: its positions that are not pad
+    aux_weight: float = 0.0  # weight of the auxiliary singular-free head's CE (model.flow_aux_head)
 
 
 def prompt_prefix(key: jax.Array, mask: jax.Array, prob: float) -> jax.Array:
@@ -85,10 +93,14 @@ def make_flow_loss(settings: FlowLossSettings):
             z = jnp.where(known[..., None], x1, z)
             mask = mask * (~known)
 
-        def logits_of(sc):
-            f = model(z, sc, t) if known is None else model(z, sc, t, known)
-            return posterior_logits(z, t, embeddings, f, c=s.residual_bound, use_singular=s.use_singular,
-                                    t_eps=s.t_eps)
+        def logits_of(sc, aux=False):
+            if aux:
+                f, f_aux = model.logits_and_aux(z, sc, t, known)
+            else:
+                f, f_aux = (model(z, sc, t) if known is None else model(z, sc, t, known)), None
+            logits = posterior_logits(z, t, embeddings, f, c=s.residual_bound, use_singular=s.use_singular,
+                                      t_eps=s.t_eps)
+            return (logits, f_aux) if aux else logits
 
         zeros = jnp.zeros_like(z)
         use_sc = jax.random.bernoulli(k_sc, s.self_condition_prob, (b, 1, 1))
@@ -96,10 +108,16 @@ def make_flow_loss(settings: FlowLossSettings):
         sc_guess = posterior_mean(jax.nn.softmax(first, axis=-1), embeddings)
         if known is not None:  # as in prompted sampling: the prompt's X1_hat is the prompt itself
             sc_guess = jnp.where(known[..., None], x1, sc_guess)
-        logits = logits_of(jnp.where(use_sc, sc_guess, zeros))
-        logp = jax.nn.log_softmax(logits, axis=-1)
+        sc_in = jnp.where(use_sc, sc_guess, zeros)
+        aux = s.aux_weight > 0
+        logits, f_aux = logits_of(sc_in, aux=True) if aux else (logits_of(sc_in), None)
         n = jnp.maximum(mask.sum(), 1.0)
-        ce = -(jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0] * mask).sum() / n
+
+        def token_ce(lg):
+            lp = jax.nn.log_softmax(lg, axis=-1)
+            return -(jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0] * mask).sum() / n, lp
+
+        ce, logp = token_ce(logits)
         accuracy = ((jnp.argmax(logits, -1) == tokens) * mask).sum() / n
         if s.loss == "ce":
             loss = ce
@@ -108,6 +126,11 @@ def make_flow_loss(settings: FlowLossSettings):
             loss = (((v - (x1 - eps)) ** 2).mean(-1) * mask).sum() / n
         else:
             raise ValueError(f"unknown flow loss {s.loss!r}")
-        return loss, {"tokens": mask.sum(), "ce": ce, "accuracy": accuracy}
+        metrics = {"tokens": mask.sum(), "ce": ce, "accuracy": accuracy}
+        if aux:
+            aux_ce = token_ce(f_aux)[0]
+            loss = loss + s.aux_weight * aux_ce
+            metrics["aux_ce"] = aux_ce
+        return loss, metrics
 
     return loss_fn

@@ -14,6 +14,10 @@ bidirectional.
 With ``cfg.flow_prompt_input`` the network also takes ``known`` [B, L] bool: a learned vector is
 added at the positions that hold a clean prompt (z there is the token's embedding itself), so it
 can tell a given token from a noisy one at the same time t (trained by `flow.prompt_prob`).
+
+With ``cfg.flow_aux_head`` a second output head (zero-initialised) reads the same final hidden
+state; `logits_and_aux` returns both. The flow loss trains it as a plain, singular-free token
+classifier (`flow.aux_weight`); samplers use `__call__` and never see it.
 """
 
 from __future__ import annotations
@@ -72,11 +76,30 @@ class FlowLM(nnx.Module):
         ])
         self.final_norm = RMSNorm(d, eps=cfg.norm_eps, rngs=rngs, param_dtype=pdtype)
         self.out = make_param(rngs, jax.nn.initializers.zeros, (d, cfg.vocab_size), ("embed", "vocab"), pdtype)
+        self.out_aux = (make_param(rngs, jax.nn.initializers.zeros, (d, cfg.vocab_size), ("embed", "vocab"), pdtype)
+                        if cfg.flow_aux_head else None)
 
     def __call__(self, z: jax.Array, sc: jax.Array, t: jax.Array, known: jax.Array | None = None) -> jax.Array:
         """Residual logits [B, L, V] (float32) for noisy embeddings z, self-conditioning sc, time t;
         known [B, L] bool flags clean prompt positions (only for a model built with
         ``flow_prompt_input``)."""
+        return self._head(self._hidden(z, sc, t, known), self.out)
+
+    def logits_and_aux(self, z: jax.Array, sc: jax.Array, t: jax.Array,
+                       known: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """(residual logits, auxiliary head's logits), both [B, L, V] float32, from one pass
+        (only for a model built with ``flow_aux_head``)."""
+        if self.out_aux is None:
+            raise ValueError("this ReLF model was not built with an auxiliary head (model.flow_aux_head)")
+        h = self._hidden(z, sc, t, known)
+        return self._head(h, self.out), self._head(h, self.out_aux)
+
+    @staticmethod
+    def _head(h: jax.Array, w: nnx.Param) -> jax.Array:
+        return constrain(h @ w[...].astype(jnp.float32), ("batch", "length", "vocab"))
+
+    def _hidden(self, z, sc, t, known):
+        """Final normed hidden state [B, L, d_model] (float32)."""
         b, length, _ = z.shape
         dt = self.dtype
         if length > self.pos.shape[0]:
@@ -94,5 +117,4 @@ class FlowLM(nnx.Module):
         mask = bidirectional_mask(jnp.ones((b, length), bool), length)
         for block in self.blocks:
             x, _ = block(x, positions, mask, cond=cond)
-        x = self.final_norm(x).astype(jnp.float32)
-        return constrain(x @ self.out[...].astype(jnp.float32), ("batch", "length", "vocab"))
+        return self.final_norm(x).astype(jnp.float32)
