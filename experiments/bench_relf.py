@@ -13,7 +13,8 @@ conversations (unconditional, up to ``seq_len`` tokens) from both:
   (each trained at the smaller budget and compared with that budget's ReLF, to save CPU time),
   and a guidance-scale sweep (1, 1.3, 1.7, 2.5) on the full-budget model;
 - our extensions (`EXTENSIONS`, full budget, 64-NFE stochastic and 16-NFE Euler): the
-  auxiliary singular-free head (``flow.aux_weight=1``, variant ``aux_head``);
+  auxiliary singular-free head (``flow.aux_weight=1``, variant ``aux_head``), a time per
+  position in half the training rows (``flow.per_position_t=0.5``), and both;
 - latency of one sequence of ``seq_len`` tokens at batch 1 and 64: AR with its KV cache vs
   ReLF at 16 NFE, and their ratio;
 - straightness of each reflow round's coupling before and after training on it;
@@ -53,7 +54,8 @@ PROMPT_TRAINING = ["flow.prompt_prob=0.5"]
 ABLATIONS = {"no_singular": ["flow.use_singular=false"], "gaussian_embeddings": ["flow.embeddings=gaussian"],
              "mse_loss": ["flow.loss=mse"]}
 # our extensions to the paper's training, trained at the full budget, against the plain ReLF rows
-EXTENSIONS = {"aux_head": ["flow.aux_weight=1"]}
+EXTENSIONS = {"aux_head": ["flow.aux_weight=1"], "per_position_t": ["flow.per_position_t=0.5"],
+              "aux_head_per_position_t": ["flow.aux_weight=1", "flow.per_position_t=0.5"]}
 
 
 def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = ()) -> dict:

@@ -12,7 +12,10 @@ Variants, all on fixed Gaussian embeddings (non-degenerate, row norm `embed_norm
   shipped flow loss through the generic train loop (self-conditioning off);
 - ``no_singular``: the same network and loss without the singular logits (the ablation);
 - ``aux``: the shipped parametrisation plus the auxiliary singular-free head
-  (``flow.aux_weight`` = `aux_weight`; sampling uses the main head only).
+  (``flow.aux_weight`` = `aux_weight`; sampling uses the main head only);
+- ``per_position``: the shipped parametrisation trained with a time per position in a
+  `per_position_t` share of rows (``flow.per_position_t``; sampling keeps one t per row);
+- ``aux_per_position``: both extensions.
 
 Reported per variant and sampler (Euler, stochastic; `nfe` steps): the share of samples that are
 a data row, and the CE of the posterior at the word positions at a few times t.
@@ -53,6 +56,7 @@ class ToySizes:
     nfe: int = 64
     probe_times: tuple[float, ...] = (0.2, 0.3, 0.5)
     aux_weight: float = 1.0  # the ``aux`` variant's flow.aux_weight
+    per_position_t: float = 0.5  # the ``per_position`` variant's flow.per_position_t
     seed: int = 0
 
 
@@ -130,8 +134,8 @@ def word_ce(residual, table, rows, *, t: float, c, use_singular: bool, n: int = 
     return float(jnp.mean(ce[x >= FIRST_WORD]))
 
 
-def _train(sz: ToySizes, rows, table, *, use_singular: bool, aux_weight: float, workdir: str,
-           overrides: Sequence[str]):
+def _train(sz: ToySizes, rows, table, *, use_singular: bool, aux_weight: float, per_position_t: float,
+           workdir: str, overrides: Sequence[str]):
     from relf_jax.flow.losses import FlowLossSettings, make_flow_loss
     from relf_jax.train.loop import train
 
@@ -142,13 +146,13 @@ def _train(sz: ToySizes, rows, table, *, use_singular: bool, aux_weight: float, 
     model_cfg = dataclasses.replace(cfg.model, vocab_size=sz.vocab, max_seq_len=sz.length,
                                     flow_embed_dim=sz.embed_dim, flow_aux_head=aux_weight > 0)
     settings = FlowLossSettings(residual_bound=cfg.flow.residual_bound, use_singular=use_singular,
-                                self_condition_prob=0.0, aux_weight=aux_weight)
+                                self_condition_prob=0.0, aux_weight=aux_weight, per_position_t=per_position_t)
     res = train(cfg, model_cfg, make_flow_loss(settings), ToyBatches(rows, sz.batch, sz.seed), workdir=workdir,
                 tensorboard=False, frozen={"embeddings": table})
     return res, cfg.flow.residual_bound
 
 
-VARIANTS = ("exact", "singular", "no_singular", "aux")
+VARIANTS = ("exact", "singular", "no_singular", "aux", "per_position", "aux_per_position")
 
 
 def bench_relf_toy(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),
@@ -175,7 +179,8 @@ def bench_relf_toy(out: str, quick: bool = False, workdir: str | None = None, ov
             residual, c = exact_residual(rows, table), 1e4
         else:
             res, c = _train(sz, rows, table, use_singular=use_singular,
-                            aux_weight=sz.aux_weight if variant == "aux" else 0.0,
+                            aux_weight=sz.aux_weight if variant in ("aux", "aux_per_position") else 0.0,
+                            per_position_t=sz.per_position_t if variant.endswith("per_position") else 0.0,
                             workdir=os.path.join(root, variant), overrides=overrides)
 
             def residual(z, t, sc, *unused, g=res.graphdef, p=res.params):
@@ -191,7 +196,7 @@ def bench_relf_toy(out: str, quick: bool = False, workdir: str | None = None, ov
             row = {"variant": variant, "sampler": sampler, "nfe": sz.nfe,
                    "valid_share": valid_share(samples, rows), "word_ce": ce}
             result["rows"].append(row)
-            print(f"[bench relf-toy] {variant:>12} {sampler:>10}: valid rows {row['valid_share']:.3f}  "
+            print(f"[bench relf-toy] {variant:>16} {sampler:>10}: valid rows {row['valid_share']:.3f}  "
                   f"word CE at t={list(ce)}: {[round(v, 2) for v in ce.values()]}", flush=True)
             _write_json(out, {**result, "complete": False})
     result["wall_s"] = time.perf_counter() - t0

@@ -151,6 +151,10 @@ class FlowConfig:
     # head makes its trunk learn what the tokens are, which the residual can then read from the
     # context. Measured: README's ReLF section.
     aux_weight: float = 0.0
+    # share of training rows in which every position draws its own t (our extension; 0: the paper's
+    # one t per row). Sampling keeps one t per row. Makes reading noisy neighbours pay in training:
+    # see relf_jax.flow.losses; measured: README's ReLF section.
+    per_position_t: float = 0.0
     nfe: int = 16
     sampler: Literal["euler", "stochastic"] = "euler"
     grid: Literal["uniform", "cosine", "late"] = "uniform"
@@ -228,6 +232,7 @@ class Config:
                "flow.residual_bound, flow.t_eps, flow.nfe must be > 0 and flow.embed_norm >= 0")
         _check(0 <= fl.self_condition_prob <= 1, "flow.self_condition_prob must be in [0, 1]")
         _check(fl.aux_weight >= 0, "flow.aux_weight must be >= 0")
+        _check(0 <= fl.per_position_t <= 1, "flow.per_position_t must be in [0, 1]")
         _check(fl.window >= 1, "flow.window (the Hellinger co-occurrence window) must be >= 1")
         sp = self.speculative
         _check(sp.k >= 1, f"speculative.k must be >= 1, got {sp.k}")

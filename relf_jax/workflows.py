@@ -144,7 +144,8 @@ def flow_loss_settings(cfg: Config, pad_id: int = -1):
     f = cfg.flow
     return FlowLossSettings(residual_bound=f.residual_bound, use_singular=f.use_singular, t_eps=f.t_eps,
                             t_distribution=f.t_distribution, self_condition_prob=f.self_condition_prob,
-                            loss=f.loss, prompt_prob=f.prompt_prob, pad_id=pad_id, aux_weight=f.aux_weight)
+                            loss=f.loss, prompt_prob=f.prompt_prob, pad_id=pad_id, aux_weight=f.aux_weight,
+                            per_position_t=f.per_position_t)
 
 
 def train_relf(cfg: Config, *, mesh=None) -> TrainResult:

@@ -100,22 +100,23 @@ def test_prompt_training_loss_skips_the_prompt_and_trains_the_known_input():
         plain(z, z, jnp.zeros((1,)), jnp.ones((1, 4), bool))
 
 
-def test_aux_head_adds_its_weighted_ce_and_leaves_the_residual_alone():
-    cfg = dataclasses.replace(_cfg().model, vocab_size=61, flow_aux_head=True)
-    model = build_model(cfg, nnx.Rngs(0))
-    model.out_aux[...] = 0.1 * jax.random.normal(jax.random.key(2), model.out_aux.shape)
+def _loss_and_grads(model, **settings):
+    """(loss, metrics), grads of the flow loss with FlowLossSettings(**settings) on one fixed batch."""
     g, p = nnx.split(model)
     batch = {k: jnp.asarray(v) for k, v in next(CountingBatches()).items()}
     frozen = {"embeddings": jnp.asarray(gaussian_embeddings(61, 8, seed=1))}
 
-    def run(weight):
-        def f(p):
-            return make_flow_loss(FlowLossSettings(aux_weight=weight))(nnx.merge(g, p), batch, jax.random.key(0),
-                                                                        frozen)
-        return jax.jit(jax.value_and_grad(f, has_aux=True))(p)
+    def f(p):
+        return make_flow_loss(FlowLossSettings(**settings))(nnx.merge(g, p), batch, jax.random.key(0), frozen)
+    return jax.jit(jax.value_and_grad(f, has_aux=True))(p)
 
-    (_, m0), g0 = run(0.0)
-    (loss2, m2), g2 = run(2.0)
+
+def test_aux_head_adds_its_weighted_ce_and_leaves_the_residual_alone():
+    cfg = dataclasses.replace(_cfg().model, vocab_size=61, flow_aux_head=True)
+    model = build_model(cfg, nnx.Rngs(0))
+    model.out_aux[...] = 0.1 * jax.random.normal(jax.random.key(2), model.out_aux.shape)
+    (_, m0), g0 = _loss_and_grads(model, aux_weight=0.0)
+    (loss2, m2), g2 = _loss_and_grads(model, aux_weight=2.0)
     assert "aux_ce" not in m0 and float(jnp.abs(g0["out_aux"][...]).sum()) == 0.0  # off: the head is unused
     # on: loss = the flow CE (unchanged: the aux head does not enter the posterior) + 2 x its own CE
     assert float(m2["ce"]) == pytest.approx(float(m0["ce"]), abs=1e-6)
@@ -128,6 +129,29 @@ def test_aux_head_adds_its_weighted_ce_and_leaves_the_residual_alone():
     plain = build_model(dataclasses.replace(cfg, flow_aux_head=False), nnx.Rngs(0))
     with pytest.raises(ValueError, match="auxiliary head"):
         plain.logits_and_aux(z, z, t)
+
+
+def test_times_per_position():
+    cfg = dataclasses.replace(_cfg().model, vocab_size=61)
+    model = build_model(cfg, nnx.Rngs(0))
+    for block in model.blocks:  # non-zero modulation, so that t reaches every block
+        block.modulation[...] = 0.1 * jax.random.normal(jax.random.key(4), block.modulation.shape)
+    model.out[...] = 0.1 * jax.random.normal(jax.random.key(5), model.out.shape)
+    z = jax.random.normal(jax.random.key(3), (2, 5, 8))
+    t = jnp.asarray([0.3, 0.7])
+    per_row = model(z, jnp.zeros_like(z), t)
+    # the same time at every position is the per-row model; a time per position changes the output
+    same = model(z, jnp.zeros_like(z), jnp.broadcast_to(t[:, None], (2, 5)))
+    assert float(jnp.abs(same - per_row).max()) < 1e-5
+    tl = jnp.asarray([[0.3, 0.3, 0.9, 0.3, 0.3], [0.7] * 5])
+    mixed = model(z, jnp.zeros_like(z), tl)
+    assert float(jnp.abs(mixed[0] - per_row[0]).max()) > 1e-3 and float(jnp.abs(mixed[1] - per_row[1]).max()) < 1e-5
+    (l0, _), _ = _loss_and_grads(model, per_position_t=0.0)
+    (l1, _), g1 = _loss_and_grads(model, per_position_t=1.0)
+    assert np.isfinite(float(l1)) and float(l1) != float(l0)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(g1))
+    from relf_jax.flow.losses import sample_times
+    assert sample_times(jax.random.key(0), (3, 4), "logit_normal").shape == (3, 4)
 
 
 def test_relf_cli_train_and_sample(tmp_path, capsys):

@@ -11,6 +11,15 @@ an argument. For each row of token ids x (the first L tokens of a packed row):
 and the loss is the cross-entropy of x under softmax(logits) (methods.md: CE beat MSE), or, for
 the ablation, the squared error of the predicted velocity against E[x] - eps.
 
+Times per position (``per_position_t`` > 0, our extension): in that share of rows every position
+draws its own t (Z_t, the singular logits and the network's conditioning then use t [B, L]); the
+other rows share one t as in the paper, and so does sampling. Why (our reading of
+`relf-jax bench relf-toy`, where the paper's loss leaves the network at the positional prior):
+with one t per row, the rows where a position's own evidence is weak, and so where the loss
+still has something to teach, are exactly the rows where its neighbours' evidence is weak too.
+With independent times many positions are noisy among cleaner neighbours, and reading them pays
+more.
+
 Auxiliary head (``aux_weight`` > 0, our extension; the model needs ``flow_aux_head``): the loss
 adds aux_weight x the cross-entropy of x under softmax(f_aux), a second head on the same trunk
 with no singular logits, on the same positions. Why: with the singular logits supplying each
@@ -46,6 +55,7 @@ class FlowLossSettings:
     prompt_prob: float = 0.0  # share of rows trained with a clean, flagged prompt prefix
     pad_id: int = -1  # the prefix is drawn within a row's text: its positions that are not pad
     aux_weight: float = 0.0  # weight of the auxiliary singular-free head's CE (model.flow_aux_head)
+    per_position_t: float = 0.0  # share of rows whose positions draw independent times
 
 
 def prompt_prefix(key: jax.Array, mask: jax.Array, prob: float) -> jax.Array:
@@ -59,12 +69,14 @@ def prompt_prefix(key: jax.Array, mask: jax.Array, prob: float) -> jax.Array:
     return (jnp.arange(mask.shape[1])[None, :] < k[:, None]) & chosen[:, None]
 
 
-def sample_times(key: jax.Array, batch: int, distribution: str) -> jax.Array:
-    """t in (0, 1) per row: uniform, or logit-normal (sigmoid of a standard normal)."""
+def sample_times(key: jax.Array, batch: int | tuple[int, ...], distribution: str) -> jax.Array:
+    """t in (0, 1) of shape `batch` (an int: one per row): uniform, or logit-normal (sigmoid of a
+    standard normal)."""
+    shape = (batch,) if isinstance(batch, int) else tuple(batch)
     if distribution == "uniform":
-        return jax.random.uniform(key, (batch,), jnp.float32)
+        return jax.random.uniform(key, shape, jnp.float32)
     if distribution == "logit_normal":
-        return jax.nn.sigmoid(jax.random.normal(key, (batch,), jnp.float32))
+        return jax.nn.sigmoid(jax.random.normal(key, shape, jnp.float32))
     raise ValueError(f"unknown t distribution {distribution!r}")
 
 
@@ -84,6 +96,10 @@ def make_flow_loss(settings: FlowLossSettings):
         b = tokens.shape[0]
         k_t, k_eps, k_sc, k_prompt = jax.random.split(key, 4)
         t = sample_times(k_t, b, s.t_distribution)
+        if s.per_position_t > 0:
+            k_pos, k_rows = jax.random.split(jax.random.fold_in(key, 1))
+            own = jax.random.bernoulli(k_rows, s.per_position_t, (b, 1))
+            t = jnp.where(own, sample_times(k_pos, tokens.shape, s.t_distribution), t[:, None])  # [B, L]
         x1 = jnp.take(embeddings, tokens, axis=0)
         eps = jax.random.normal(k_eps, x1.shape, jnp.float32)
         z = interpolate(x1, eps, t)

@@ -4,7 +4,9 @@ Network only: it maps (Z_t, self-conditioning input, t) to *residual* logits f o
 vocabulary. The singular logits, the bound c * tanh(f / c), the posterior, X1_hat and the
 velocity live in `relf_jax.flow`.
 
-Inputs: z, sc [B, L, d_emb] (d_emb = the fixed embedding width, e.g. 32), t [B] in [0, 1].
+Inputs: z, sc [B, L, d_emb] (d_emb = the fixed embedding width, e.g. 32), t [B] in [0, 1], or
+[B, L] for a time per position (trained with `flow.per_position_t`; the conditioning is then per
+position too).
 z and sc are projected to the model width and added, together with a learned absolute
 position embedding (rows are whole documents that start at position 0, and at small t the
 noisy input carries no position information that rotary attention could use); t enters every
@@ -37,10 +39,10 @@ TIME_FEATURES = 64
 
 
 def time_features(t: jax.Array, dim: int = TIME_FEATURES) -> jax.Array:
-    """Sinusoidal features of t in [0, 1]: [B] -> [B, dim]."""
+    """Sinusoidal features of t in [0, 1]: [...] -> [..., dim] ([B] per row, [B, L] per position)."""
     half = dim // 2
     freqs = jnp.exp(-math.log(10_000.0) * jnp.arange(half, dtype=jnp.float32) / half)
-    angles = (1000.0 * t.astype(jnp.float32))[:, None] * freqs[None, :]
+    angles = (1000.0 * t.astype(jnp.float32))[..., None] * freqs
     return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
 
 

@@ -171,10 +171,10 @@ class SwiGLU(nnx.Module):
 class TransformerBlock(nnx.Module):
     """Pre-norm block: x + attn(norm(x)); x + mlp(norm(x)).
 
-    With ``cond_dim > 0`` the block takes a conditioning vector c [B, cond_dim] and modulates
-    both norms, ``norm(x) * (1 + scale(c)) + shift(c)``, and scales both residual branches by
-    ``1 + gate(c)`` (adaLN). The modulation starts at zero, so a fresh conditioned block computes
-    exactly what an unconditioned one does.
+    With ``cond_dim > 0`` the block takes a conditioning vector c [B, cond_dim] (or one per
+    position, [B, L, cond_dim]) and modulates both norms, ``norm(x) * (1 + scale(c)) + shift(c)``,
+    and scales both residual branches by ``1 + gate(c)`` (adaLN). The modulation starts at zero,
+    so a fresh conditioned block computes exactly what an unconditioned one does.
     """
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, mlp_dim: int, *,
@@ -195,8 +195,10 @@ class TransformerBlock(nnx.Module):
         if self.cond_dim:
             if cond is None:
                 raise ValueError("this block was built with cond_dim > 0 and needs `cond`")
-            mod = jnp.einsum("bc,cmd->bmd", cond.astype(jnp.float32), self.modulation[...].astype(jnp.float32))
-            shift1, scale1, gate1, shift2, scale2, gate2 = [mod[:, i, None, :] for i in range(6)]
+            c = cond.astype(jnp.float32)
+            c = c[:, None, :] if c.ndim == 2 else c  # [B, 1 or L, cond_dim]
+            mod = jnp.einsum("blc,cmd->blmd", c, self.modulation[...].astype(jnp.float32))
+            shift1, scale1, gate1, shift2, scale2, gate2 = [mod[:, :, i, :] for i in range(6)]
             h = self.attn_norm(x) * (1 + scale1) + shift1
             a, cache = self.attn(h, positions, mask, cache, cache_index)
             x = x + ((1 + gate1) * a).astype(x.dtype)
