@@ -21,7 +21,8 @@ Reported per variant and sampler (Euler, stochastic; `nfe` steps): the share of 
 a data row, and the CE of the posterior at the word positions at a few times t.
 Measured (`benchmarks/relf_toy_cpu.json`, README's ReLF section): at 600 steps the shipped
 parametrisation returns no sample that is a data row (its posterior is the positional prior's);
-the network without singular logits returns only data rows; the auxiliary head recovers part.
+the network without singular logits returns only data rows; the auxiliary head recovers part
+of the gap, and per-position times add a little on top of it (not alone).
 """
 
 from __future__ import annotations
