@@ -135,8 +135,8 @@ def word_ce(residual, table, rows, *, t: float, c, use_singular: bool, n: int = 
     return float(jnp.mean(ce[x >= FIRST_WORD]))
 
 
-def _train(sz: ToySizes, rows, table, *, use_singular: bool, aux_weight: float, per_position_t: float,
-           workdir: str, overrides: Sequence[str]):
+def _train(sz: ToySizes, rows, table, *, use_singular: bool = True, aux_weight: float = 0.0,
+           per_position_t: float = 0.0, workdir: str, overrides: Sequence[str]):
     from relf_jax.flow.losses import FlowLossSettings, make_flow_loss
     from relf_jax.train.loop import train
 
@@ -154,6 +154,10 @@ def _train(sz: ToySizes, rows, table, *, use_singular: bool, aux_weight: float, 
 
 
 VARIANTS = ("exact", "singular", "no_singular", "aux", "per_position", "aux_per_position")
+# the trained variants' loss settings beyond the shipped ones (names of ToySizes fields for the values)
+_TRAINED = {"singular": {}, "no_singular": {"use_singular": False}, "aux": {"aux_weight": "aux_weight"},
+            "per_position": {"per_position_t": "per_position_t"},
+            "aux_per_position": {"aux_weight": "aux_weight", "per_position_t": "per_position_t"}}
 
 
 def bench_relf_toy(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),
@@ -179,10 +183,8 @@ def bench_relf_toy(out: str, quick: bool = False, workdir: str | None = None, ov
             # bound 1e4: in effect none, while the final decode at t = 1 keeps the singular logits alone
             residual, c = exact_residual(rows, table), 1e4
         else:
-            res, c = _train(sz, rows, table, use_singular=use_singular,
-                            aux_weight=sz.aux_weight if variant in ("aux", "aux_per_position") else 0.0,
-                            per_position_t=sz.per_position_t if variant.endswith("per_position") else 0.0,
-                            workdir=os.path.join(root, variant), overrides=overrides)
+            extra = {k: (getattr(sz, v) if isinstance(v, str) else v) for k, v in _TRAINED[variant].items()}
+            res, c = _train(sz, rows, table, workdir=os.path.join(root, variant), overrides=overrides, **extra)
 
             def residual(z, t, sc, *unused, g=res.graphdef, p=res.params):
                 # trained without self-conditioning: it always saw sc = 0, so it gets 0 here too

@@ -109,24 +109,20 @@ def make_flow_loss(settings: FlowLossSettings):
             z = jnp.where(known[..., None], x1, z)
             mask = mask * (~known)
 
-        def logits_of(sc, aux=False):
-            if aux:
-                f, f_aux = model.logits_and_aux(z, sc, t, known)
-            else:
-                f, f_aux = (model(z, sc, t) if known is None else model(z, sc, t, known)), None
-            logits = posterior_logits(z, t, embeddings, f, c=s.residual_bound, use_singular=s.use_singular,
-                                      t_eps=s.t_eps)
-            return (logits, f_aux) if aux else logits
+        def logits_of(f):
+            return posterior_logits(z, t, embeddings, f, c=s.residual_bound, use_singular=s.use_singular,
+                                    t_eps=s.t_eps)
 
         zeros = jnp.zeros_like(z)
         use_sc = jax.random.bernoulli(k_sc, s.self_condition_prob, (b, 1, 1))
-        first = jax.lax.stop_gradient(logits_of(zeros))
+        first = jax.lax.stop_gradient(logits_of(model(z, zeros, t, known)))
         sc_guess = posterior_mean(jax.nn.softmax(first, axis=-1), embeddings)
         if known is not None:  # as in prompted sampling: the prompt's X1_hat is the prompt itself
             sc_guess = jnp.where(known[..., None], x1, sc_guess)
         sc_in = jnp.where(use_sc, sc_guess, zeros)
         aux = s.aux_weight > 0
-        logits, f_aux = logits_of(sc_in, aux=True) if aux else (logits_of(sc_in), None)
+        f, f_aux = model.logits_and_aux(z, sc_in, t, known) if aux else (model(z, sc_in, t, known), None)
+        logits = logits_of(f)
         n = jnp.maximum(mask.sum(), 1.0)
 
         def token_ce(lg):
