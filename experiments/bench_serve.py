@@ -299,14 +299,23 @@ def _ensure_dws(workdir: str, quick: bool) -> tuple[str, str]:
     return found[-1], report
 
 
+PARTS = ("engines", "dws")
+
+
 def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),
-                sizes: ServeBenchSizes | None = None) -> dict:
+                sizes: ServeBenchSizes | None = None, parts: Sequence[str] = PARTS) -> dict:
+    """Runs the comparisons named in `parts` ("engines": 1 + 2 of the module docstring; "dws": 3)
+    and writes the JSON to `out`."""
     from relf_jax import workflows
     from relf_jax.dws.predictor import WorkloadCost
     from relf_jax.dws.workload import workload_prompts
+    from relf_jax.errors import UserError
     from relf_jax.serving.scheduler import FCFS, SJF, aging_for
     from relf_jax.serving.simulator import poisson_arrivals, simulate, summarize
 
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        raise UserError(f"bench serve parts must be a non-empty subset of {', '.join(PARTS)}; got {list(parts)}")
     sz = sizes or (QUICK if quick else ServeBenchSizes())
     workdir = workdir or os.path.join("runs", f"bench_serve_{sz.preset}")
     os.makedirs(workdir, exist_ok=True)
@@ -319,98 +328,102 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
                                seed=sz.seed + 1234)
     rng = np.random.default_rng(sz.seed)
     prompts = [prompts[i] for i in rng.permutation(len(prompts))]
-    result: dict = {"config": {**dataclasses.asdict(sz), "workdir": os.path.abspath(workdir)}}
+    result: dict = {"config": {**dataclasses.asdict(sz), "workdir": os.path.abspath(workdir), "parts": list(parts)}}
     logs = os.path.join(workdir, "logs")
     os.makedirs(logs, exist_ok=True)
 
     # --- 1 + 2: AR vs NSD, and batch-1 overhead
-    common = ["--workdir", workdir, "--slots", str(sz.slots), "--k", str(sz.k), "--model-name", "m"]
-    engines = {}
-    for gen, extra in SPEC_ENGINES:
-        print(f"[bench serve] {gen} engine: starting the server", flush=True)
-        with ServerProcess([*common, *extra], os.path.join(logs, f"serve_{gen}.log")) as srv:
-            url = f"{srv.base}/v1/chat/completions"
-            b1 = _batch1(srv, _bodies(prompts[:sz.batch1_requests], "m", max_tokens=sz.max_tokens,
-                                      temperature=sz.temperature, seed=sz.seed))
-            if gen == "ar":
-                base_rate = b1["requests"] / b1["wall_s"]
-            runs = {}
-            bodies = _bodies(prompts[:sz.requests], "m", max_tokens=sz.max_tokens, temperature=sz.temperature,
-                             seed=sz.seed)
-            for f in sz.rate_factors:
-                rate = f * base_rate
-                arrivals = poisson_arrivals(rate, sz.requests, sz.seed + 7)
-                res = _run_load(url, bodies, arrivals)
-                runs[f"{f:g}"] = {"rate_rps": rate, **summarize_run(res["records"], res["wall_s"]),
-                                  "quality": reply_quality(judge, [p.text for p in prompts[:sz.requests]],
-                                                           res["records"])}
-                print(f"[bench serve] {gen} x{f:g} ({rate:.2f} req/s): "
-                      f"{runs[f'{f:g}']['output_tokens_per_s']:.0f} tok/s, "
-                      f"mean e2e {runs[f'{f:g}']['e2e_mean']:.2f} s, errors {runs[f'{f:g}']['errors']}", flush=True)
-            acc = srv.metric("relf_acceptance_length")
-            engines[gen] = {"batch1": {k: v for k, v in b1.items() if k != "records"}, "rates": runs,
-                            "acceptance_length": acc}
-    result["engines"] = engines
-    for gen in engines:
-        if gen != "ar":
-            result[f"{gen}_over_ar_tokens_per_s"] = {
-                f: engines[gen]["rates"][f]["output_tokens_per_s"] / engines["ar"]["rates"][f]["output_tokens_per_s"]
-                for f in engines["ar"]["rates"]}
-    result["overhead_share_batch1"] = {g: engines[g]["batch1"]["overhead_share"] for g in engines}
+    if "engines" in parts:
+        common = ["--workdir", workdir, "--slots", str(sz.slots), "--k", str(sz.k), "--model-name", "m"]
+        engines = {}
+        for gen, extra in SPEC_ENGINES:
+            print(f"[bench serve] {gen} engine: starting the server", flush=True)
+            with ServerProcess([*common, *extra], os.path.join(logs, f"serve_{gen}.log")) as srv:
+                url = f"{srv.base}/v1/chat/completions"
+                b1 = _batch1(srv, _bodies(prompts[:sz.batch1_requests], "m", max_tokens=sz.max_tokens,
+                                          temperature=sz.temperature, seed=sz.seed))
+                if gen == "ar":
+                    base_rate = b1["requests"] / b1["wall_s"]
+                runs = {}
+                bodies = _bodies(prompts[:sz.requests], "m", max_tokens=sz.max_tokens, temperature=sz.temperature,
+                                 seed=sz.seed)
+                for f in sz.rate_factors:
+                    rate = f * base_rate
+                    arrivals = poisson_arrivals(rate, sz.requests, sz.seed + 7)
+                    res = _run_load(url, bodies, arrivals)
+                    runs[f"{f:g}"] = {"rate_rps": rate, **summarize_run(res["records"], res["wall_s"]),
+                                      "quality": reply_quality(judge, [p.text for p in prompts[:sz.requests]],
+                                                               res["records"])}
+                    print(f"[bench serve] {gen} x{f:g} ({rate:.2f} req/s): "
+                          f"{runs[f'{f:g}']['output_tokens_per_s']:.0f} tok/s, "
+                          f"mean e2e {runs[f'{f:g}']['e2e_mean']:.2f} s, errors {runs[f'{f:g}']['errors']}", flush=True)
+                acc = srv.metric("relf_acceptance_length")
+                engines[gen] = {"batch1": {k: v for k, v in b1.items() if k != "records"}, "rates": runs,
+                                "acceptance_length": acc}
+        result["engines"] = engines
+        for gen in engines:
+            if gen != "ar":
+                result[f"{gen}_over_ar_tokens_per_s"] = {
+                    f: engines[gen]["rates"][f]["output_tokens_per_s"] / engines["ar"]["rates"][f]["output_tokens_per_s"]
+                    for f in engines["ar"]["rates"]}
+        result["overhead_share_batch1"] = {g: engines[g]["batch1"]["overhead_share"] for g in engines}
 
     # --- 3: FCFS vs SJF-DWS on the block-diffusion engine, one slot
-    predictor_dir, dws_report = _ensure_dws(workdir, quick)
-    bd_dir = os.path.join(workdir, "dws")
-    cost = WorkloadCost(workflows.load_model(predictor_dir, "dws"), dws_report)
-    bd_tok = workflows.load_model(bd_dir, "bd").tokenizer
-    dws_prompts = prompts[:sz.dws_requests]
-    predicted = np.asarray([cost([bd_tok.bos_id] + bd_tok.encode(p.text))["dws_cost"] for p in dws_prompts])
-    # one server process holds both policies (model ids "fcfs" and "sjf", each its own engine and
-    # queue; only one is driven at a time), and the runs alternate ABBA: process-to-process and
-    # drift noise of this machine then hits both policies alike
-    aging = aging_for(predicted, sz.dws_aging_horizon * float(np.mean(predicted)))
-    spec = {"workdir": bd_dir, "predictor": predictor_dir, "cost_model": dws_report, "aging": aging,
-            "max_queue": 4 * sz.dws_requests}
-    loads = {}
-    print("[bench serve] bd engine, fcfs + sjf: starting the server", flush=True)
-    with ServerProcess([], os.path.join(logs, "serve_bd.log"), child_spec=spec) as srv:
-        url = f"{srv.base}/v1/chat/completions"
-        # every prompt alone: the service times the simulator replays
-        cal = _batch1(srv, _bodies(dws_prompts, "fcfs", max_tokens=sz.dws_max_tokens, temperature=0.0,
-                                   seed=sz.seed))
-        service = np.asarray([r["e2e"] for r in cal["records"]])
-        first = np.asarray([min(r["ttft"] or r["e2e"], r["e2e"]) for r in cal["records"]])
-        result["dws_batch1"] = {k: v for k, v in cal.items() if k != "records"}
-        for load in sz.dws_loads:
-            rate = load / float(np.mean(service))
-            arrivals = poisson_arrivals(rate, len(dws_prompts), sz.seed + 11)
-            entry = loads.setdefault(f"{load:g}", {"rate_rps": rate, "arrivals": arrivals})
-            runs = {"fcfs": [], "sjf": []}
-            for policy in ("fcfs", "sjf", "sjf", "fcfs"):
-                bodies = _bodies(dws_prompts, policy, max_tokens=sz.dws_max_tokens, temperature=0.0, seed=sz.seed)
-                res = _run_load(url, bodies, arrivals)
-                runs[policy].append(res)
-                one = summarize_run(res["records"], res["wall_s"])
-                print(f"[bench serve] bd {policy} load {load:g}: mean e2e {one['e2e_mean']:.3f} s, "
-                      f"wall {one['wall_s']:.1f} s, errors {one['errors']}", flush=True)
-            for policy, reps in runs.items():
-                entry[policy] = summarize_run([r for res in reps for r in res["records"]],
-                                              sum(res["wall_s"] for res in reps))
-                entry[policy]["rep_e2e_means"] = [summarize_run(res["records"], res["wall_s"])["e2e_mean"]
-                                                  for res in reps]
-    for load, entry in loads.items():
-        arrivals = entry.pop("arrivals")
-        sim = {name: simulate(arrivals, service, first, {"dws_cost": predicted}, pol)
-               for name, pol in (("fcfs", FCFS()), ("sjf", SJF(key="dws_cost", aging=aging)))}
-        entry["simulated"] = {name: summarize(r.latency) for name, r in sim.items()}
-        entry["ratio_fcfs_over_sjf_measured"] = entry["fcfs"]["e2e_mean"] / entry["sjf"]["e2e_mean"]
-        entry["ratio_fcfs_over_sjf_simulated"] = sim["fcfs"].latency.mean() / sim["sjf"].latency.mean()
-    result["dws"] = {"predictor": predictor_dir, "cost_model_from": dws_report, "aging": aging, "loads": loads}
+    if "dws" in parts:
+        predictor_dir, dws_report = _ensure_dws(workdir, quick)
+        bd_dir = os.path.join(workdir, "dws")
+        cost = WorkloadCost(workflows.load_model(predictor_dir, "dws"), dws_report)
+        bd_tok = workflows.load_model(bd_dir, "bd").tokenizer
+        dws_prompts = prompts[:sz.dws_requests]
+        predicted = np.asarray([cost([bd_tok.bos_id] + bd_tok.encode(p.text))["dws_cost"] for p in dws_prompts])
+        # one server process holds both policies (model ids "fcfs" and "sjf", each its own engine and
+        # queue; only one is driven at a time), and the runs alternate ABBA: process-to-process and
+        # drift noise of this machine then hits both policies alike
+        aging = aging_for(predicted, sz.dws_aging_horizon * float(np.mean(predicted)))
+        spec = {"workdir": bd_dir, "predictor": predictor_dir, "cost_model": dws_report, "aging": aging,
+                "max_queue": 4 * sz.dws_requests}
+        loads = {}
+        print("[bench serve] bd engine, fcfs + sjf: starting the server", flush=True)
+        with ServerProcess([], os.path.join(logs, "serve_bd.log"), child_spec=spec) as srv:
+            url = f"{srv.base}/v1/chat/completions"
+            # every prompt alone: the service times the simulator replays
+            cal = _batch1(srv, _bodies(dws_prompts, "fcfs", max_tokens=sz.dws_max_tokens, temperature=0.0,
+                                       seed=sz.seed))
+            service = np.asarray([r["e2e"] for r in cal["records"]])
+            first = np.asarray([min(r["ttft"] or r["e2e"], r["e2e"]) for r in cal["records"]])
+            result["dws_batch1"] = {k: v for k, v in cal.items() if k != "records"}
+            for load in sz.dws_loads:
+                rate = load / float(np.mean(service))
+                arrivals = poisson_arrivals(rate, len(dws_prompts), sz.seed + 11)
+                entry = loads.setdefault(f"{load:g}", {"rate_rps": rate, "arrivals": arrivals})
+                runs = {"fcfs": [], "sjf": []}
+                for policy in ("fcfs", "sjf", "sjf", "fcfs"):
+                    bodies = _bodies(dws_prompts, policy, max_tokens=sz.dws_max_tokens, temperature=0.0, seed=sz.seed)
+                    res = _run_load(url, bodies, arrivals)
+                    runs[policy].append(res)
+                    one = summarize_run(res["records"], res["wall_s"])
+                    print(f"[bench serve] bd {policy} load {load:g}: mean e2e {one['e2e_mean']:.3f} s, "
+                          f"wall {one['wall_s']:.1f} s, errors {one['errors']}", flush=True)
+                for policy, reps in runs.items():
+                    entry[policy] = summarize_run([r for res in reps for r in res["records"]],
+                                                  sum(res["wall_s"] for res in reps))
+                    entry[policy]["rep_e2e_means"] = [summarize_run(res["records"], res["wall_s"])["e2e_mean"]
+                                                      for res in reps]
+        for load, entry in loads.items():
+            arrivals = entry.pop("arrivals")
+            sim = {name: simulate(arrivals, service, first, {"dws_cost": predicted}, pol)
+                   for name, pol in (("fcfs", FCFS()), ("sjf", SJF(key="dws_cost", aging=aging)))}
+            entry["simulated"] = {name: summarize(r.latency) for name, r in sim.items()}
+            entry["ratio_fcfs_over_sjf_measured"] = entry["fcfs"]["e2e_mean"] / entry["sjf"]["e2e_mean"]
+            entry["ratio_fcfs_over_sjf_simulated"] = sim["fcfs"].latency.mean() / sim["sjf"].latency.mean()
+        result["dws"] = {"predictor": predictor_dir, "cost_model_from": dws_report, "aging": aging, "loads": loads}
     result["wall_s"] = time.perf_counter() - t_start
     workflows.write_json(out, result)
-    print(json.dumps({**{k: v for k, v in result.items() if k.endswith("_over_ar_tokens_per_s")},
-                      "overhead_share_batch1": result["overhead_share_batch1"],
-                      "dws": {k: {"measured": v["ratio_fcfs_over_sjf_measured"],
-                                  "simulated": v["ratio_fcfs_over_sjf_simulated"]} for k, v in loads.items()}},
-                     indent=2))
+    summary = {k: v for k, v in result.items() if k.endswith("_over_ar_tokens_per_s")}
+    if "engines" in parts:
+        summary["overhead_share_batch1"] = result["overhead_share_batch1"]
+    if "dws" in parts:
+        summary["dws"] = {k: {"measured": v["ratio_fcfs_over_sjf_measured"],
+                              "simulated": v["ratio_fcfs_over_sjf_simulated"]} for k, v in result["dws"]["loads"].items()}
+    print(json.dumps(summary, indent=2))
     return result

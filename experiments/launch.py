@@ -92,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--out", required=True, help="JSON file to write")
     b.add_argument("--quick", action="store_true", help="tiny preset, a few minutes")
     b.add_argument("--workdir", default=None, help="where models are trained / cached")
+    b.add_argument("--parts", default=None, help="bench serve only: which comparisons, comma-separated, of "
+                                                 "engines (AR vs NSD, batch-1 overhead) and dws (FCFS vs SJF-DWS); "
+                                                 "default both")
 
     ih = sub.add_parser("import-hf", help="a local HuggingFace Llama/Qwen2 directory -> a relf_jax checkpoint")
     ih.add_argument("path", help="directory with config.json, safetensors weights and a tokenizer")
@@ -199,7 +202,13 @@ def _run(args) -> int:
             from experiments.bench_relf_toy import bench_relf_toy as run_bench
         else:
             run_bench = getattr(bench, f"bench_{args.which}")
-        run_bench(args.out, quick=args.quick, workdir=args.workdir, overrides=args.overrides)
+        extra = {}
+        if args.parts is not None:
+            if args.which != "serve":
+                from relf_jax.errors import UserError
+                raise UserError("--parts applies to bench serve only")
+            extra["parts"] = [p.strip() for p in args.parts.split(",") if p.strip()]
+        run_bench(args.out, quick=args.quick, workdir=args.workdir, overrides=args.overrides, **extra)
         return 0
     if args.command == "train":
         cfg = make_config(args.preset, args.overrides, workdir=args.workdir or os.path.join("runs", args.preset))

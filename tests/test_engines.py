@@ -1,5 +1,7 @@
 """Serving engines: each model engine gives exactly its sampler's tokens, whatever the batch."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,10 +49,11 @@ def test_ar_engine_matches_the_sampler_per_request():
     lm = tiny_lm("ar", max_seq_len=64)
     eng = E.AREngine(lm, 3)
     n = 8
+    # the top-p request joins after two steps (the step switches to its nucleus-filtering build)
     jobs = [(0, PROMPTS[0], E.RequestParams(n, 1.0, seed=11), 0),
-            (2, PROMPTS[1], E.RequestParams(n, 1.0, top_p=0.9, seed=5), 0),
+            (2, PROMPTS[1], E.RequestParams(n, 1.0, top_p=0.9, seed=5), 2),
             (1, PROMPTS[2], E.RequestParams(n, 1.0, seed=7), 3)]  # joins between steps
-    out = _run(eng, jobs, steps=n + 3)
+    out = _run(eng, jobs, steps=n + 4)
     for slot, prompt, p, at in jobs:
         arr, lens = ar.pad_prompts([prompt], 0)
         st = ar.generate(lm.graphdef, lm.params, arr, lens, jax.random.key(p.seed),
@@ -68,7 +71,8 @@ def test_speculative_engine_matches_the_sampler_per_request(rule, proposer):
     lm, draft = tiny_lm("ar", 0, max_seq_len=64), tiny_lm("ar", 1, max_seq_len=64)
     k, rounds = 3, 4
     eng = E.SpeculativeEngine(lm, draft, 2, rule=rule, k=k, proposer=proposer)
-    jobs = [(0, PROMPTS[0], E.RequestParams(40, 1.0, seed=3), 0), (1, PROMPTS[2], E.RequestParams(40, 1.0, seed=4), 1)]
+    jobs = [(0, PROMPTS[0], E.RequestParams(40, 1.0, seed=3), 0),
+            (1, PROMPTS[2], E.RequestParams(40, 1.0, top_p=0.8, seed=4), 1)]  # top-p joins a round later
     out = _run(eng, jobs, steps=rounds + 1)
     for slot, prompt, p, at in jobs:
         arr, lens = ar.pad_prompts([prompt], 0)
@@ -82,6 +86,27 @@ def test_speculative_engine_matches_the_sampler_per_request(rule, proposer):
         got = np.asarray(st.tokens)[0, len(prompt):len(prompt) + n].tolist()
         assert out[slot] == got[:n], slot
         assert n >= rounds  # at least one token per round
+
+
+def test_engines_compile_the_top_p_sort_only_while_a_slot_filters():
+    """Under the engines' vmap a runtime cond would sort every step; the state records on the
+    host which slots use top_p < 1, and only then is the filter traced."""
+    lm, draft = tiny_lm("ar", 0, max_seq_len=64), tiny_lm("ar", 1, max_seq_len=64)
+    cases = [(E.AREngine(lm, 2), lambda eng, st: (lm.params, st.slots)),
+             (E.SpeculativeEngine(lm, draft, 2, rule="nsd", k=2), lambda eng, st: (lm.params, draft.params, st.slots))]
+    for eng, args in cases:
+        def sorts(state):
+            step = functools.partial(eng._step_all, nucleus=bool(state.nucleus))
+            return " sort[" in str(jax.make_jaxpr(step)(*args(eng, state)))  # the primitive
+
+        state = eng.init_state()
+        assert not sorts(state)
+        state = eng.insert(eng.prefill(PROMPTS[0], E.RequestParams(8, 1.0, top_p=0.5)), state, 1)
+        assert sorts(state)
+        state = eng.insert(eng.prefill(PROMPTS[1], E.RequestParams(8, 1.0)), state, 0)
+        assert sorts(state)
+        state = eng.free(state, 1)
+        assert not sorts(state)
 
 
 def test_block_diffusion_engine_matches_the_decoder():

@@ -27,6 +27,27 @@ def test_log_probs_filters():
     np.testing.assert_allclose(p[0], q / q.sum(), atol=1e-6)
 
 
+def test_filters_off_by_python_values_compile_no_sort():
+    """top_k=0 / top_p None or >= 1 as Python values leave the filters out of the trace (the
+    engines rely on it: under vmap a runtime cond would always sort); traced ones keep them."""
+    logits = jax.random.normal(jax.random.key(0), (3, 64)) * 3
+
+    def sorts(fn, *args):
+        return " sort[" in str(jax.make_jaxpr(fn)(*args))  # the primitive
+
+    assert not sorts(lambda x: processors.log_probs(x, 1.0, 0, None), logits)
+    assert not sorts(lambda x: processors.log_probs(x, 1.0, 0, 1.0), logits)
+    assert not sorts(lambda x, k: processors.sample(x, k, 1.0, 0, None), logits, jax.random.key(1))
+    assert sorts(lambda x, p: processors.log_probs(x, 1.0, 0, p), logits, jnp.float32(1.0))
+    assert sorts(lambda x, k: processors.log_probs(x, 1.0, k, None), logits, jnp.int32(0))
+    assert sorts(lambda x: processors.log_probs(x, 1.0, 5, None), logits)
+    # the same numbers either way
+    for temperature in (0.0, 0.7):
+        want = processors.log_probs(logits, jnp.float32(temperature), jnp.int32(0), jnp.float32(1.0))
+        np.testing.assert_array_equal(processors.log_probs(logits, temperature, 0, None), want)
+        np.testing.assert_array_equal(processors.log_probs(logits, temperature, 0, 1.0), want)
+
+
 def test_nucleus_mask_ties_and_extremes():
     probs = jnp.asarray([0.4, 0.2, 0.2, 0.2])
     np.testing.assert_array_equal(processors.nucleus_mask(probs, 0.5), [True, True, True, True])

@@ -134,15 +134,24 @@ class Attention(nnx.Module):
         g = h // self.num_kv_heads
         qg = jnp.moveaxis(q.reshape(b, t, self.num_kv_heads, g, dh), 1, 3).astype(jnp.float32)  # [B, K, G, T, Dh]
         k_all, v_all = k_all.astype(jnp.float32), v_all.astype(jnp.float32)
+        kh, s_len = self.num_kv_heads, k_all.shape[2]
         if t <= SMALL_QUERY:
-            scores = (qg[:, :, :, :, None, :] * k_all[:, :, None, None, :, :]).sum(-1)
+            q2, k2 = qg.reshape(b * kh, g * t, dh), k_all.reshape(b * kh, s_len, dh)
+            if g * t == 1:
+                scores = (q2 * k2).sum(-1).reshape(b, kh, g, t, s_len)
+            else:
+                scores = (q2[:, :, None, :] * k2[:, None, :, :]).sum(-1).reshape(b, kh, g, t, s_len)
         else:
             scores = jnp.einsum("bkgtd,bksd->bkgts", qg, k_all)
         scores = scores * (dh ** -0.5)
         scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1)
         if t <= SMALL_QUERY:
-            out = (probs[..., None] * v_all[:, :, None, None, :, :]).sum(-2)
+            p2, v2 = probs.reshape(b * kh, g * t, s_len), v_all.reshape(b * kh, s_len, dh)
+            if g * t == 1:
+                out = (p2.reshape(b * kh, s_len, 1) * v2).sum(-2).reshape(b, kh, g, t, dh)
+            else:
+                out = (p2[..., None] * v2[:, None, :, :]).sum(-2).reshape(b, kh, g, t, dh)
         else:
             out = jnp.einsum("bkgts,bksd->bkgtd", probs, v_all)
         out = jnp.moveaxis(out, 3, 1).astype(dt).reshape(b, t, h, dh)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 NEG_INF = -jnp.inf
 
@@ -28,21 +29,35 @@ def nucleus_mask(probs: jax.Array, top_p: jax.Array | float) -> jax.Array:
     return jnp.where(top_p >= 1.0, probs > 0, keep)
 
 
+def static_off(value, off) -> bool:
+    """True when `value` is a Python/NumPy number (not traced) for which `off` holds."""
+    if isinstance(value, (bool, int, float, np.integer, np.floating)):
+        return bool(off(value))
+    return False
+
+
 def log_probs(logits: jax.Array, temperature: jax.Array | float = 1.0, top_k: jax.Array | int = 0,
-              top_p: jax.Array | float = 1.0) -> jax.Array:
+              top_p: jax.Array | float | None = 1.0) -> jax.Array:
     """Normalised float32 log-probabilities after temperature, then top-k, then top-p.
 
     logits: [..., V]; each setting is a scalar or one value per row [...]. temperature 0 gives the one-hot argmax distribution (greedy); top_k 0
     and top_p 1 disable those filters. Settings may be traced scalars (no recompilation when
     they change). Removed tokens get -inf.
+
+    A filter that is off by a Python value (``top_k=0``, ``top_p=None`` or a Python number
+    >= 1) is left out at trace time: no sort is compiled. A traced setting keeps a runtime
+    ``lax.cond`` -- which ``vmap`` turns into a select that always sorts when the setting is
+    batched, so per-slot engines pass Python values when no slot filters.
     """
     logits = logits.astype(jnp.float32)
     temperature = jnp.asarray(temperature, jnp.float32)
     greedy = (temperature <= 0)[..., None]
     scaled = logits / jnp.where(greedy, 1.0, temperature[..., None])
     v = logits.shape[-1]
-    k = jnp.asarray(top_k, jnp.int32)
-    top_p = jnp.asarray(top_p, jnp.float32)
+    skip_top_k = static_off(top_k, lambda x: x <= 0)
+    skip_top_p = top_p is None or static_off(top_p, lambda x: x >= 1.0)
+    k = jnp.asarray(0 if skip_top_k else top_k, jnp.int32)
+    top_p = jnp.asarray(1.0 if skip_top_p else top_p, jnp.float32)
 
     def keep_top_k(x):
         kth_index = jnp.broadcast_to(jnp.clip(k - 1, 0, v - 1)[..., None], x.shape[:-1] + (1,))
@@ -53,16 +68,19 @@ def log_probs(logits: jax.Array, temperature: jax.Array | float = 1.0, top_k: ja
         return jnp.where(nucleus_mask(jax.nn.softmax(x, axis=-1), top_p), x, NEG_INF)
 
     # Sorting is costly on CPU: skip a filter when no row uses it (settings may be per row).
-    scaled = jax.lax.cond(jnp.any(k > 0), keep_top_k, lambda x: x, scaled)
-    scaled = jax.lax.cond(jnp.any(top_p < 1.0), keep_nucleus, lambda x: x, scaled)
+    if not skip_top_k:
+        scaled = jax.lax.cond(jnp.any(k > 0), keep_top_k, lambda x: x, scaled)
+    if not skip_top_p:
+        scaled = jax.lax.cond(jnp.any(top_p < 1.0), keep_nucleus, lambda x: x, scaled)
     out = jax.nn.log_softmax(scaled, axis=-1)
     one_hot = jnp.where(jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.bool_), 0.0, NEG_INF)
     return jnp.where(greedy, one_hot, out)
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array | float = 1.0,
-           top_k: jax.Array | int = 0, top_p: jax.Array | float = 1.0) -> jax.Array:
-    """One token per row: logits [..., V] -> int32 [...]. Greedy at temperature 0."""
+           top_k: jax.Array | int = 0, top_p: jax.Array | float | None = 1.0) -> jax.Array:
+    """One token per row: logits [..., V] -> int32 [...]. Greedy at temperature 0 (settings as in
+    `log_probs`)."""
     lp = log_probs(logits, temperature, top_k, top_p)
     drawn = jax.random.categorical(key, lp, axis=-1)
     greedy = jnp.argmax(logits, axis=-1)

@@ -70,6 +70,7 @@ class Prefix:
     tokens: list[int]  # tokens already decided by the prefill (AR and speculative: the first one)
     done: bool  # the prefill already finished the request (e.g. its first token is EOS)
     model_s: float = 0.0  # seconds spent in the prefill
+    nucleus: bool = False  # the request filters by top_p < 1 (engines that sample with top-p)
 
 
 @dataclasses.dataclass
@@ -183,6 +184,27 @@ class _Slot:
     sampling: Any
 
 
+@dataclasses.dataclass(frozen=True)
+class _Held:
+    """The state of an engine that samples with top-p: the device slots, and on the host the
+    slots whose request filters by top_p < 1.
+
+    `generate` compiles the nucleus filter (a sort over the vocabulary per sampled position)
+    only while such a slot is held. The samplers skip the filter with a runtime ``lax.cond``,
+    but under the engines' ``vmap`` over slots that cond becomes a select that always sorts --
+    measured at most of an NSD round's time on CPU.
+    """
+
+    slots: Any
+    nucleus: frozenset = frozenset()
+
+    def insert(self, slots, slot: int, nucleus: bool) -> _Held:
+        return _Held(slots, self.nucleus | {slot} if nucleus else self.nucleus - {slot})
+
+    def free(self, slots, slot: int) -> _Held:
+        return _Held(slots, self.nucleus - {slot})
+
+
 # ------------------------------------------------------------------------------ autoregressive
 
 class AREngine(Engine):
@@ -201,7 +223,7 @@ class AREngine(Engine):
         # the step never stops a slot on length (the server does, per request)
         self._step_settings = ar.DecodeSettings(max_new_tokens=self.max_context, eos_id=lm.tokenizer.eos_id,
                                                 pad_id=lm.tokenizer.pad_id)
-        self._jit_step = jax.jit(self._step_all, donate_argnums=(1,))
+        self._jit_step = jax.jit(self._step_all, donate_argnums=(1,), static_argnames=("nucleus",))
         self._jit_insert = jax.jit(_set_slot, donate_argnums=(0,))
         self._jit_free = jax.jit(lambda s, slot: dataclasses.replace(
             s, state=dataclasses.replace(s.state, done=s.state.done.at[slot].set(True))), donate_argnums=(0,))
@@ -214,8 +236,8 @@ class AREngine(Engine):
         return self._ar.SamplingParams(jnp.float32(p.temperature), jnp.int32(self.top_k), jnp.float32(p.top_p))
 
     def init_state(self):
-        return _free_slots(self, _stack_slots(self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data,
-                                              self.num_slots))
+        return _free_slots(self, _Held(_stack_slots(self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data,
+                                                    self.num_slots)))
 
     def prefill(self, prompt, params):
         ar = self._ar
@@ -228,18 +250,20 @@ class AREngine(Engine):
         first, done = _first_token(st, len(prompt))
         model_s = time.perf_counter() - t0
         return Prefix(data=_Slot(state=st, sampling=sampling), tokens=[first], done=done or first in self.stop_ids,
-                      model_s=model_s)
+                      model_s=model_s, nucleus=params.top_p < 1)
 
     def insert(self, prefix, state, slot):
-        return self._jit_insert(state, prefix.data, slot)
+        return state.insert(self._jit_insert(state.slots, prefix.data, slot), slot, prefix.nucleus)
 
     def free(self, state, slot):
-        return self._jit_free(state, slot)
+        return state.free(self._jit_free(state.slots, slot), slot)
 
-    def _step_all(self, params, slots: _Slot):
+    def _step_all(self, params, slots: _Slot, nucleus: bool):
         ar, settings = self._ar, self._step_settings
 
         def one(st, sp):
+            # Python values switch the filters off at trace time (see `_Held`)
+            sp = sp.replace(top_k=self.top_k, top_p=sp.top_p if nucleus else None)
             return ar._step(self.lm.graphdef, params, st, sp, settings)
 
         new = jax.vmap(one)(slots.state, slots.sampling)
@@ -250,7 +274,8 @@ class AREngine(Engine):
 
     def generate(self, state):
         t0 = time.perf_counter()
-        state, last, emitted, done = self._jit_step(self.lm.params, state)
+        slots, last, emitted, done = self._jit_step(self.lm.params, state.slots, nucleus=bool(state.nucleus))
+        state = dataclasses.replace(state, slots=slots)
         last, emitted, done = jax.device_get((last, emitted, done))
         model_s = time.perf_counter() - t0
         toks = [[int(t)] if e else [] for t, e in zip(last, emitted)]
@@ -296,7 +321,7 @@ class SpeculativeEngine(Engine):
         self.stop_ids = turn_stop_ids(lm.tokenizer)
         self.tokens_per_step = k + 1
         self._step_settings = self._settings(self.max_context)
-        self._jit_step = jax.jit(self._step_all, donate_argnums=(2,))
+        self._jit_step = jax.jit(self._step_all, donate_argnums=(2,), static_argnames=("nucleus",))
         self._jit_insert = jax.jit(_set_slot, donate_argnums=(0,))
         self._jit_free = jax.jit(lambda s, slot: dataclasses.replace(
             s, state=dataclasses.replace(s.state, done=s.state.done.at[slot].set(True))), donate_argnums=(0,))
@@ -317,8 +342,8 @@ class SpeculativeEngine(Engine):
         return (self.draft.graphdef, self.draft.params) if self.draft is not None else (None, None)
 
     def init_state(self):
-        return _free_slots(self, _stack_slots(self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data,
-                                              self.num_slots))
+        return _free_slots(self, _Held(_stack_slots(self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data,
+                                                    self.num_slots)))
 
     def prefill(self, prompt, params):
         from relf_jax.sampling import autoregressive as ar
@@ -333,19 +358,21 @@ class SpeculativeEngine(Engine):
         first, done = _first_token(st, len(prompt))
         model_s = time.perf_counter() - t0
         return Prefix(data=_Slot(state=st, sampling=sp), tokens=[first], done=done or first in self.stop_ids,
-                      model_s=model_s)
+                      model_s=model_s, nucleus=params.top_p < 1)
 
     def insert(self, prefix, state, slot):
-        return self._jit_insert(state, prefix.data, slot)
+        return state.insert(self._jit_insert(state.slots, prefix.data, slot), slot, prefix.nucleus)
 
     def free(self, state, slot):
-        return self._jit_free(state, slot)
+        return state.free(self._jit_free(state.slots, slot), slot)
 
-    def _step_all(self, target_params, draft_params, slots: _Slot):
+    def _step_all(self, target_params, draft_params, slots: _Slot, nucleus: bool):
         spec, settings = self._spec, self._step_settings
         dg = self.draft.graphdef if self.draft is not None else None
 
         def one(st, sp):
+            if not nucleus:  # a Python value switches the top-p filter off at trace time (see `_Held`)
+                sp = sp.replace(top_p=None)
             return spec._round(self.lm.graphdef, target_params, dg, draft_params, st, sp, settings)
 
         old = slots.state
@@ -360,7 +387,9 @@ class SpeculativeEngine(Engine):
     def generate(self, state):
         t0 = time.perf_counter()
         dp = self.draft.params if self.draft is not None else None
-        state, window, count, done, accepted = self._jit_step(self.lm.params, dp, state)
+        slots, window, count, done, accepted = self._jit_step(self.lm.params, dp, state.slots,
+                                                              nucleus=bool(state.nucleus))
+        state = dataclasses.replace(state, slots=slots)
         window, count, done, accepted = jax.device_get((window, count, done, accepted))
         model_s = time.perf_counter() - t0
         toks = [window[i, :count[i]].tolist() for i in range(self.num_slots)]

@@ -67,7 +67,6 @@ def _use_kernel(use_kernel: bool | None, top_k: int) -> bool:
     return jax.default_backend() == "tpu" and not top_k
 
 
-@functools.partial(jax.jit, static_argnames=("rule", "top_k", "use_kernel"))
 def verify(target_logits: jax.Array, draft_logits: jax.Array, draft_tokens: jax.Array,
            key: jax.Array, *, rule: str = "standard", temperature=1.0, top_k: int = 0,
            top_p=1.0, nsd_top_p=0.9, residual_floor=1e-8,
@@ -83,12 +82,24 @@ def verify(target_logits: jax.Array, draft_logits: jax.Array, draft_tokens: jax.
       temperature, top_p, nsd_top_p, residual_floor: floats, may be traced.
       top_k: static int; 0 disables. The kernel has no top-k: with top_k > 0, use_kernel=None
         takes the reference path and use_kernel=True raises ValueError.
+        top_p None or a Python number >= 1 leaves the nucleus filter out at trace time (no
+        sort is compiled; `processors.log_probs`).
       use_kernel: True -> Pallas kernel (interpreted on CPU), False -> reference, None ->
         reference on CPU or when the env var RELF_JAX_FORCE_REFERENCE=1, kernel on TPU (GPU: reference, see _use_kernel).
         Read at trace time.
     Returns:
       VerifyResult(num_accepted [B], next_token [B], accept [B, K]).
     """
+    if top_p is not None and processors.static_off(top_p, lambda x: x >= 1.0):
+        top_p = None
+    return _verify(target_logits, draft_logits, draft_tokens, key, rule=rule, temperature=temperature,
+                   top_k=top_k, top_p=top_p, nsd_top_p=nsd_top_p, residual_floor=residual_floor,
+                   use_kernel=use_kernel)
+
+
+@functools.partial(jax.jit, static_argnames=("rule", "top_k", "use_kernel"))
+def _verify(target_logits, draft_logits, draft_tokens, key, *, rule, temperature, top_k, top_p, nsd_top_p,
+            residual_floor, use_kernel) -> VerifyResult:
     b, _, v = verify_kernels.validate_inputs(target_logits, draft_logits, draft_tokens, rule=rule)
     k = draft_tokens.shape[1]
     key_accept, key_race = jax.random.split(key)
@@ -99,7 +110,7 @@ def verify(target_logits: jax.Array, draft_logits: jax.Array, draft_tokens: jax.
     if _use_kernel(use_kernel, top_k):
         num, next_token, accept = verify_kernels.verify(
             target_logits, draft_logits, draft_tokens, uniforms, exponentials,
-            interpret=jax.default_backend() == "cpu", **settings)
+            interpret=jax.default_backend() == "cpu", **{**settings, "top_p": 1.0 if top_p is None else top_p})
     else:
         num, next_token, accept = verify_kernels.ref_verify(
             target_logits, draft_logits, draft_tokens, uniforms, exponentials,
