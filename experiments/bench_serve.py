@@ -263,14 +263,22 @@ def reply_quality(judge, prompts: Sequence[str], records: list[dict]) -> dict:
 
 
 def _batch1(server: ServerProcess, bodies: list[dict]) -> dict:
-    """Requests one after another: latency and the share of it spent outside the engine."""
+    """Requests one after another: latency and the share of it spent outside the engine.
+
+    overhead_share: 1 - engine seconds / client-measured e2e (everything that is not a model
+    step, the HTTP client and the loopback included); server_overhead_share: (server-side
+    request seconds - engine seconds) / client e2e, the server's own part of it.
+    """
     m0 = server.metric("relf_model_seconds_total")
+    h0 = server.metric("relf_http_request_duration_seconds_sum")
     res = _run_load(f"{server.base}/v1/chat/completions", bodies, None)
     model_s = server.metric("relf_model_seconds_total") - m0
+    server_s = server.metric("relf_http_request_duration_seconds_sum") - h0
     recs = res["records"]
     e2e = sum(r["e2e"] for r in recs if r["error"] is None)
-    return {**summarize_run(recs, res["wall_s"]), "model_s": model_s, "client_e2e_s": e2e,
-            "overhead_share": 1.0 - model_s / max(e2e, 1e-9), "records": recs}
+    return {**summarize_run(recs, res["wall_s"]), "model_s": model_s, "client_e2e_s": e2e, "server_s": server_s,
+            "overhead_share": 1.0 - model_s / max(e2e, 1e-9),
+            "server_overhead_share": (server_s - model_s) / max(e2e, 1e-9), "records": recs}
 
 
 # ----------------------------------------------------------------------------- the benchmark
@@ -367,6 +375,7 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
                     f: engines[gen]["rates"][f]["output_tokens_per_s"] / engines["ar"]["rates"][f]["output_tokens_per_s"]
                     for f in engines["ar"]["rates"]}
         result["overhead_share_batch1"] = {g: engines[g]["batch1"]["overhead_share"] for g in engines}
+        result["server_overhead_share_batch1"] = {g: engines[g]["batch1"]["server_overhead_share"] for g in engines}
 
     # --- 3: FCFS vs SJF-DWS on the block-diffusion engine, one slot
     if "dws" in parts:
@@ -422,6 +431,7 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
     summary = {k: v for k, v in result.items() if k.endswith("_over_ar_tokens_per_s")}
     if "engines" in parts:
         summary["overhead_share_batch1"] = result["overhead_share_batch1"]
+        summary["server_overhead_share_batch1"] = result["server_overhead_share_batch1"]
     if "dws" in parts:
         summary["dws"] = {k: {"measured": v["ratio_fcfs_over_sjf_measured"],
                               "simulated": v["ratio_fcfs_over_sjf_simulated"]} for k, v in result["dws"]["loads"].items()}

@@ -50,6 +50,15 @@ def test_overrides_may_follow_the_options():
         parse_args(["serve", "--mock", "train.steps=9"])  # serve takes no config overrides
 
 
+def test_bench_serve_parts_are_checked(capsys, tmp_path):
+    out = str(tmp_path / "x.json")
+    rc, _, err = _run(capsys, "bench", "spec", "--out", out, "--parts", "engines")
+    _one_line_error(rc, err, "--parts applies to bench serve only")
+    rc, _, err = _run(capsys, "bench", "serve", "--out", out, "--parts", "engines,gpu", "--workdir", str(tmp_path))
+    _one_line_error(rc, err, "engines, dws", "gpu")
+    assert parse_args(["serve", "--mock", "--steps-per-call", "3"]).steps_per_call == 3
+
+
 @pytest.mark.parametrize("argv, words", [
     (["train", "--preset", "huge"], ["unknown preset 'huge'", "tiny"]),
     (["train", "--preset", "tiny", "train.stepz=1"], ["train.stepz", "train.steps"]),

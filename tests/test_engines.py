@@ -43,17 +43,19 @@ def test_mock_engine_echoes_the_last_user_turn():
     assert out[1] == eng.reply_for(prompt)  # 9 bytes + EOS, one per step (first from prefill)
 
 
-def test_ar_engine_matches_the_sampler_per_request():
+@pytest.mark.parametrize("steps_per_call", [1, 3])
+def test_ar_engine_matches_the_sampler_per_request(steps_per_call):
     from relf_jax.sampling import autoregressive as ar
 
     lm = tiny_lm("ar", max_seq_len=64)
-    eng = E.AREngine(lm, 3)
+    eng = E.AREngine(lm, 3, steps_per_call=steps_per_call)
     n = 8
     # the top-p request joins after two steps (the step switches to its nucleus-filtering build)
     jobs = [(0, PROMPTS[0], E.RequestParams(n, 1.0, seed=11), 0),
             (2, PROMPTS[1], E.RequestParams(n, 1.0, top_p=0.9, seed=5), 2),
             (1, PROMPTS[2], E.RequestParams(n, 1.0, seed=7), 3)]  # joins between steps
     out = _run(eng, jobs, steps=n + 4)
+    assert all(len(toks) >= n for toks in out.values())
     for slot, prompt, p, at in jobs:
         arr, lens = ar.pad_prompts([prompt], 0)
         st = ar.generate(lm.graphdef, lm.params, arr, lens, jax.random.key(p.seed),
@@ -62,15 +64,15 @@ def test_ar_engine_matches_the_sampler_per_request():
         assert out[slot][:len(want)] == want, slot
 
 
-@pytest.mark.parametrize("rule,proposer", [("nsd", "draft"),
-                                           pytest.param("standard", "prompt_lookup", marks=pytest.mark.slow)])
-def test_speculative_engine_matches_the_sampler_per_request(rule, proposer):
+@pytest.mark.parametrize("rule,proposer,steps_per_call", [
+    ("nsd", "draft", 1), ("nsd", "draft", 2), pytest.param("standard", "prompt_lookup", 1, marks=pytest.mark.slow)])
+def test_speculative_engine_matches_the_sampler_per_request(rule, proposer, steps_per_call):
     from relf_jax.sampling import autoregressive as ar
     from relf_jax.speculative import generate as spec
 
     lm, draft = tiny_lm("ar", 0, max_seq_len=64), tiny_lm("ar", 1, max_seq_len=64)
     k, rounds = 3, 4
-    eng = E.SpeculativeEngine(lm, draft, 2, rule=rule, k=k, proposer=proposer)
+    eng = E.SpeculativeEngine(lm, draft, 2, rule=rule, k=k, proposer=proposer, steps_per_call=steps_per_call)
     jobs = [(0, PROMPTS[0], E.RequestParams(40, 1.0, seed=3), 0),
             (1, PROMPTS[2], E.RequestParams(40, 1.0, top_p=0.8, seed=4), 1)]  # top-p joins a round later
     out = _run(eng, jobs, steps=rounds + 1)
@@ -85,7 +87,33 @@ def test_speculative_engine_matches_the_sampler_per_request(rule, proposer):
         n = len(out[slot])
         got = np.asarray(st.tokens)[0, len(prompt):len(prompt) + n].tolist()
         assert out[slot] == got[:n], slot
-        assert n >= rounds  # at least one token per round
+        assert n >= rounds * steps_per_call  # at least one token per round
+
+
+def test_several_steps_per_call_stop_a_slot_inside_the_call():
+    """A slot stops mid-call at a stop token (any of the engine's, not only EOS) or at the
+    context end, and reports done in that call; its tokens are the sampler's."""
+    lm = tiny_lm("ar", max_seq_len=32)
+    params = E.RequestParams(20, 1.0, seed=4)
+    ref = _run(E.AREngine(lm, 2), [(0, PROMPTS[1], params, 0)], steps=6)[0]
+    i = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])  # a token not produced before
+    eng = E.AREngine(lm, 2, steps_per_call=8)
+    eng.stop_ids = (*eng.stop_ids, ref[i])  # read when the step is traced (first generate)
+    state = eng.insert(eng.prefill(PROMPTS[1], params), eng.init_state(), 0)
+    state, out = eng.generate(state)
+    assert out.tokens[0] == ref[1:i + 1] and out.done[0] and out.tokens[1] == [] and not out.done[1]
+    # the context end: a 14-token prompt and its first token leave 17 places of 32: 8 + 8 + 1
+    eng = E.AREngine(lm, 2, steps_per_call=8)
+    prompt = [2] + TOK.encode("<user> " + "x" * 40)[:13]
+    state = eng.insert(eng.prefill(prompt, params), eng.init_state(), 1)
+    got = []
+    for want_done in (False, False, True):
+        state, out = eng.generate(state)
+        got.append(out.tokens[1])
+        assert out.done[1] == want_done and out.tokens[0] == []
+    assert [len(g) for g in got] == [8, 8, 1]
+    with pytest.raises(UserError, match="steps_per_call"):
+        E.AREngine(lm, 2, steps_per_call=0)
 
 
 def test_engines_compile_the_top_p_sort_only_while_a_slot_filters():

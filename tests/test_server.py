@@ -143,6 +143,10 @@ def test_full_queue_429_and_disconnect_frees_the_slot():
         assert 'relf_requests_total{model="mock",generator="mock",reason="cancelled"} 2.0' in metrics
         assert 'relf_rejected_total{model="mock",generator="mock"} 1.0' in metrics
         assert "relf_ttft_seconds_count" in metrics and "relf_queue_length" in metrics
+        # server-side seconds of generation requests (RequestTimer): counted, and positive
+        count = [ln for ln in metrics.splitlines() if ln.startswith("relf_http_request_duration_seconds_count")]
+        total = [ln for ln in metrics.splitlines() if ln.startswith("relf_http_request_duration_seconds_sum")]
+        assert int(count[0].split()[-1]) >= 3 and float(total[0].split()[-1]) > 0
         assert httpx.get(f"{base}/health").json() == {"status": "ok"}
 
 

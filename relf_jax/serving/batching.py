@@ -272,8 +272,9 @@ class Batcher:
                 live = self._live.get(rid)
                 if live is None:
                     continue
-                self.stats.slot_steps += 1
-                live.steps += 1
+                steps = 1 if out.steps is None else out.steps[slot]  # sampler steps (several per call)
+                self.stats.slot_steps += steps
+                live.steps += steps
                 live.model_s += out.model_s
                 if out.accepted is not None:
                     live.accepted += out.accepted[slot]

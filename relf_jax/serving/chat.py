@@ -126,14 +126,26 @@ def encode_chat(tokenizer, template: ChatTemplate, messages: Sequence[dict]) -> 
     return [tokenizer.bos_id] + tokenizer.encode(template.render(messages))
 
 
+# AR tokens / speculative rounds per engine call when served (`load_engine`, `relf-jax serve`):
+# amortises the host work per call (see `relf_jax.serving.engines._check_steps_per_call`). About
+# 10 ms of model time per call for the demo's cpu model: 8 AR steps or 2 speculative rounds.
+STEPS_PER_CALL = {"ar": 8, "speculative": 2}
+
+
+def _or(steps_per_call: int | None, kind: str) -> int:
+    return STEPS_PER_CALL[kind] if steps_per_call is None else steps_per_call
+
+
 def load_engine(workdir: str, generator: str = "ar", *, slots: int = 8, k: int = 4, proposer: str = "draft",
                 draft: str | None = None, nsd_top_p: float = 0.9, nfe: int | None = None,
-                threshold: float = 0.95, top_k: int = 0) -> Engine:
+                threshold: float = 0.95, top_k: int = 0, steps_per_call: int | None = None) -> Engine:
     """An engine over the checkpoint in `workdir` (the ``<workdir>/<family>`` layout of `relf-jax train`).
 
     generator: "ar"; "standard" / "nsd" / "greedy" (speculative, with `proposer` "draft" (the
     model in `draft`, default ``<workdir>/draft``) or "prompt_lookup", `k` drafts per round);
-    "bd" (block diffusion, `threshold`); "relf" (`nfe` steps).
+    "bd" (block diffusion, `threshold`); "relf" (`nfe` steps). `steps_per_call`: AR tokens or
+    speculative rounds per engine call (`relf_jax.serving.engines._check_steps_per_call`;
+    None: `STEPS_PER_CALL`).
     """
     from relf_jax import workflows
     from relf_jax.serving import engines as E
@@ -146,7 +158,7 @@ def load_engine(workdir: str, generator: str = "ar", *, slots: int = 8, k: int =
         return E.ReLFEngine(workflows.load_model(workdir, "relf"), slots, nfe=nfe)
     lm = workflows.load_model(workdir, "ar")
     if generator == "ar":
-        return E.AREngine(lm, slots, top_k=top_k)
+        return E.AREngine(lm, slots, top_k=top_k, steps_per_call=_or(steps_per_call, "ar"))
     dm = None
     if proposer == "draft":
         path = draft or os.path.join(workdir, "draft")
@@ -154,6 +166,7 @@ def load_engine(workdir: str, generator: str = "ar", *, slots: int = 8, k: int =
         if dm.tokenizer.to_bytes() != lm.tokenizer.to_bytes():
             raise UserError(f"the draft in {path} uses another tokenizer than the target")
     return E.SpeculativeEngine(lm, dm, slots, rule=generator, k=k, proposer=proposer, nsd_top_p=nsd_top_p,
+                               steps_per_call=_or(steps_per_call, "speculative"),
                                name=f"spec-{generator}")
 
 

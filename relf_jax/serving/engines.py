@@ -9,6 +9,7 @@ was cancelled is released with `free` and may be reused at once.
 - `AREngine`: one token per step (the sampler of `relf_jax.sampling.autoregressive`).
 - `SpeculativeEngine`: one draft/verify round per step, 1..k+1 tokens (the round of
   `relf_jax.speculative.generate`; standard / NSD / greedy rule, draft model or prompt lookup).
+  These two may run several steps per `generate` call (``steps_per_call``, one jitted scan).
 - `BlockDiffusionEngine`: one committed block per step (confidence-threshold decoding of
   `relf_jax.dws.decoding`).
 - `ReLFEngine`: the whole reply at once (the flow sampler of `relf_jax.flow.samplers`, with the
@@ -81,6 +82,7 @@ class StepOutput:
     done: list[bool]  # the engine finished the slot (stop token or context end)
     model_s: float  # seconds in the jitted step (ends with the device-to-host copy)
     accepted: list[int] | None = None  # speculative: draft tokens accepted per slot this step
+    steps: list[int] | None = None  # sampler steps each slot ran while active (None: one per occupied slot)
 
 
 class Engine(abc.ABC):
@@ -91,7 +93,7 @@ class Engine(abc.ABC):
     max_context: int  # prompt + reply tokens one slot can hold
     tokenizer: Any
     stop_ids: tuple[int, ...]  # token ids that end a reply (EOS, the next turn's <user> marker)
-    tokens_per_step: int = 1  # the most tokens one step can add to a slot
+    tokens_per_step: int = 1  # the most tokens one `generate` call can add to a slot
 
     @abc.abstractmethod
     def init_state(self) -> Any:
@@ -172,6 +174,14 @@ def _free_slots(engine: Engine, state):
     return state
 
 
+def _one_prompt(prompt: Sequence[int], pad_id: int, bucket: int) -> tuple[np.ndarray, np.ndarray]:
+    """[1, bucket] int32 prompt and its [1] length as NumPy arrays: the jitted prefill copies
+    them to the device with its other arguments (cheaper than a device array each)."""
+    arr = np.full((1, bucket), pad_id, np.int32)
+    arr[0, :len(prompt)] = prompt
+    return arr, np.asarray([len(prompt)], np.int32)
+
+
 def _key_data(seed: int):
     return jax.random.key_data(jax.random.key(seed))
 
@@ -205,18 +215,54 @@ class _Held:
         return _Held(slots, self.nucleus - {slot})
 
 
+def _check_steps_per_call(n: int) -> int:
+    """Sampler steps (AR tokens, speculative rounds) one `generate` call runs, in one jitted scan.
+
+    More than one cuts the per-step host work (dispatch, the host copy, the batcher's
+    bookkeeping, one streamed chunk per call) at the cost of a coarser stream and of requests
+    joining or leaving only between calls. A slot stops inside the call at a stop token or the
+    context end; tokens past a request's own end (max_tokens, a stop string) are dropped by the
+    batcher. Every step is the sampler's own, so a request's tokens do not change.
+    """
+    if not isinstance(n, int) or n < 1:
+        raise UserError(f"steps_per_call must be an integer >= 1, got {n!r}")
+    return n
+
+
+def _run_steps(step, slots: _Slot, n: int, width: int):
+    """Up to `n` calls of ``step(slots) -> (slots, row [num_slots, width] int32)`` in one
+    ``lax.while_loop`` that stops early once no slot is active (so a request that ends does not
+    pay for the rest of the call). Returns (slots, rows [num_slots, n, width]); rows of steps
+    not run are zero (nothing emitted)."""
+    num = slots.state.done.shape[0]
+
+    def cond(c):
+        i, sl, _ = c
+        return (i < n) & jnp.any(~sl.state.done)
+
+    def body(c):
+        i, sl, out = c
+        sl, row = step(sl)
+        return i + 1, sl, out.at[i].set(row)
+
+    _, slots, out = jax.lax.while_loop(cond, body, (jnp.int32(0), slots, jnp.zeros((n, num, width), jnp.int32)))
+    return slots, jnp.moveaxis(out, 0, 1)
+
+
 # ------------------------------------------------------------------------------ autoregressive
 
 class AREngine(Engine):
-    """One token per step per slot, with `relf_jax.sampling.autoregressive`'s prefill and step."""
+    """One token per sampler step per slot, with `relf_jax.sampling.autoregressive`'s prefill and
+    step; `steps_per_call` steps per `generate` (see `_check_steps_per_call`)."""
 
-    def __init__(self, lm, num_slots: int = 8, *, top_k: int = 0, name: str = "ar"):
+    def __init__(self, lm, num_slots: int = 8, *, top_k: int = 0, steps_per_call: int = 1, name: str = "ar"):
         from relf_jax.sampling import autoregressive as ar
 
         if num_slots < 1:
             raise UserError(f"num_slots must be >= 1, got {num_slots}")
         self._ar = ar
         self.lm, self.name, self.num_slots, self.top_k = lm, name, num_slots, top_k
+        self.steps_per_call = self.tokens_per_step = _check_steps_per_call(steps_per_call)
         self.tokenizer = lm.tokenizer
         self.max_context = lm.model_cfg.max_seq_len
         self.stop_ids = turn_stop_ids(lm.tokenizer)
@@ -233,7 +279,7 @@ class AREngine(Engine):
                                        pad_id=self.tokenizer.pad_id)
 
     def _sampling(self, p: RequestParams):
-        return self._ar.SamplingParams(jnp.float32(p.temperature), jnp.int32(self.top_k), jnp.float32(p.top_p))
+        return self._ar.SamplingParams(np.float32(p.temperature), np.int32(self.top_k), np.float32(p.top_p))
 
     def init_state(self):
         return _free_slots(self, _Held(_stack_slots(self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data,
@@ -242,7 +288,7 @@ class AREngine(Engine):
     def prefill(self, prompt, params):
         ar = self._ar
         bucket = bucket_for(len(prompt), self.max_context - 1)
-        arr, lens = ar.pad_prompts([list(prompt)], self.tokenizer.pad_id, bucket)
+        arr, lens = _one_prompt(prompt, self.tokenizer.pad_id, bucket)
         sampling = self._sampling(params)
         t0 = time.perf_counter()
         st = ar.prefill(self.lm.graphdef, self.lm.params, arr, lens, jax.random.key(params.seed), sampling,
@@ -266,21 +312,29 @@ class AREngine(Engine):
             sp = sp.replace(top_k=self.top_k, top_p=sp.top_p if nucleus else None)
             return ar._step(self.lm.graphdef, params, st, sp, settings)
 
-        new = jax.vmap(one)(slots.state, slots.sampling)
-        emitted = new.lengths[:, 0] > slots.state.lengths[:, 0]
-        last = jnp.take_along_axis(new.tokens[:, 0], (new.lengths[:, 0] - 1)[:, None], axis=1)[:, 0]
-        full = new.lengths[:, 0] >= self.max_context
-        return dataclasses.replace(slots, state=new), last, emitted, new.done[:, 0] | full
+        stops = jnp.asarray(self.stop_ids, jnp.int32)
+
+        def step(slots):
+            new = jax.vmap(one)(slots.state, slots.sampling)
+            emitted = new.lengths[:, 0] > slots.state.lengths[:, 0]
+            last = jnp.take_along_axis(new.tokens[:, 0], (new.lengths[:, 0] - 1)[:, None], axis=1)[:, 0]
+            # a slot stops at any stop token (the sampler itself only at EOS) or when full
+            done = new.done[:, 0] | (new.lengths[:, 0] >= self.max_context) | (emitted & jnp.isin(last, stops))
+            new = dataclasses.replace(new, done=done[:, None])
+            row = jnp.stack([last, emitted, done & emitted], axis=1).astype(jnp.int32)
+            return dataclasses.replace(slots, state=new), row
+
+        return _run_steps(step, slots, self.steps_per_call, 3)  # [slots, steps, (token, emitted, done)]
 
     def generate(self, state):
         t0 = time.perf_counter()
-        slots, last, emitted, done = self._jit_step(self.lm.params, state.slots, nucleus=bool(state.nucleus))
+        slots, out = self._jit_step(self.lm.params, state.slots, nucleus=bool(state.nucleus))
         state = dataclasses.replace(state, slots=slots)
-        last, emitted, done = jax.device_get((last, emitted, done))
+        out = np.asarray(out)  # one device-to-host copy
         model_s = time.perf_counter() - t0
-        toks = [[int(t)] if e else [] for t, e in zip(last, emitted)]
-        return state, StepOutput(tokens=toks, done=[bool(d) and bool(e) for d, e in zip(done, emitted)],
-                                 model_s=model_s)
+        toks = [[int(t) for t, e, _ in row if e] for row in out]
+        return state, StepOutput(tokens=toks, done=[bool(row[:, 2].any()) for row in out], model_s=model_s,
+                                 steps=[len(t) for t in toks])
 
 
 
@@ -303,7 +357,8 @@ class SpeculativeEngine(Engine):
     """
 
     def __init__(self, lm, draft=None, num_slots: int = 8, *, rule: str = "nsd", k: int = 4,
-                 proposer: str = "draft", nsd_top_p: float = 0.9, ngram: int = 3, name: str | None = None):
+                 proposer: str = "draft", nsd_top_p: float = 0.9, ngram: int = 3, steps_per_call: int = 1,
+                 name: str | None = None):
         from relf_jax.speculative import generate as spec
 
         if num_slots < 1:
@@ -319,7 +374,8 @@ class SpeculativeEngine(Engine):
         if self.draft is not None:
             self.max_context = min(self.max_context, self.draft.model_cfg.max_seq_len)
         self.stop_ids = turn_stop_ids(lm.tokenizer)
-        self.tokens_per_step = k + 1
+        self.steps_per_call = _check_steps_per_call(steps_per_call)
+        self.tokens_per_step = (k + 1) * self.steps_per_call
         self._step_settings = self._settings(self.max_context)
         self._jit_step = jax.jit(self._step_all, donate_argnums=(2,), static_argnames=("nucleus",))
         self._jit_insert = jax.jit(_set_slot, donate_argnums=(0,))
@@ -336,7 +392,7 @@ class SpeculativeEngine(Engine):
         return self.k + 1
 
     def _params(self, p: RequestParams):
-        return self._spec.SpecParams(jnp.float32(p.temperature), jnp.float32(p.top_p), jnp.float32(self.nsd_top_p))
+        return self._spec.SpecParams(np.float32(p.temperature), np.float32(p.top_p), np.float32(self.nsd_top_p))
 
     def _draft_parts(self):
         return (self.draft.graphdef, self.draft.params) if self.draft is not None else (None, None)
@@ -346,10 +402,8 @@ class SpeculativeEngine(Engine):
                                                     self.num_slots)))
 
     def prefill(self, prompt, params):
-        from relf_jax.sampling import autoregressive as ar
-
         bucket = bucket_for(len(prompt), self.max_context - self.reserve() - 1)
-        arr, lens = ar.pad_prompts([list(prompt)], self.tokenizer.pad_id, bucket)
+        arr, lens = _one_prompt(prompt, self.tokenizer.pad_id, bucket)
         dg, dp = self._draft_parts()
         sp = self._params(params)
         t0 = time.perf_counter()
@@ -375,26 +429,38 @@ class SpeculativeEngine(Engine):
                 sp = sp.replace(top_p=None)
             return spec._round(self.lm.graphdef, target_params, dg, draft_params, st, sp, settings)
 
-        old = slots.state
-        new = jax.vmap(one)(old, slots.sampling)
-        start, count = old.lengths[:, 0], new.lengths[:, 0] - old.lengths[:, 0]
-        window = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (self.k + 1,)))(
-            new.tokens[:, 0], jnp.minimum(start, new.tokens.shape[-1] - self.k - 1))
-        accepted = new.accepted[:, 0] - old.accepted[:, 0]
-        full = new.lengths[:, 0] + self.k + 1 > self.max_context
-        return dataclasses.replace(slots, state=new), window, count, new.done[:, 0] | full, accepted
+        stops = jnp.asarray(self.stop_ids, jnp.int32)
+
+        def round_(slots):
+            old = slots.state
+            new = jax.vmap(one)(old, slots.sampling)
+            start, count = old.lengths[:, 0], new.lengths[:, 0] - old.lengths[:, 0]
+            window = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (self.k + 1,)))(
+                new.tokens[:, 0], jnp.minimum(start, new.tokens.shape[-1] - self.k - 1))
+            accepted = new.accepted[:, 0] - old.accepted[:, 0]
+            # a slot stops at any stop token it committed (the sampler itself only at EOS) or when full
+            stopped = jnp.any(jnp.isin(window, stops) & (jnp.arange(self.k + 1)[None, :] < count[:, None]), axis=1)
+            done = new.done[:, 0] | stopped | (new.lengths[:, 0] + self.k + 1 > self.max_context)
+            new = dataclasses.replace(new, done=done[:, None])
+            cols = [count, done & (count > 0), accepted]
+            return dataclasses.replace(slots, state=new), jnp.concatenate(
+                [window, jnp.stack(cols, axis=1).astype(window.dtype)], axis=1)
+
+        # [slots, rounds, (k + 1 tokens, count, done, accepted)]
+        return _run_steps(round_, slots, self.steps_per_call, self.k + 4)
 
     def generate(self, state):
         t0 = time.perf_counter()
         dp = self.draft.params if self.draft is not None else None
-        slots, window, count, done, accepted = self._jit_step(self.lm.params, dp, state.slots,
-                                                              nucleus=bool(state.nucleus))
+        slots, out = self._jit_step(self.lm.params, dp, state.slots, nucleus=bool(state.nucleus))
         state = dataclasses.replace(state, slots=slots)
-        window, count, done, accepted = jax.device_get((window, count, done, accepted))
+        out = np.asarray(out)  # one device-to-host copy
         model_s = time.perf_counter() - t0
-        toks = [window[i, :count[i]].tolist() for i in range(self.num_slots)]
-        return state, StepOutput(tokens=toks, done=[bool(d) and c > 0 for d, c in zip(done, count)],
-                                 model_s=model_s, accepted=[int(a) for a in accepted])
+        w = self.k + 1
+        toks = [[int(t) for r in row for t in r[:r[w]]] for row in out]
+        return state, StepOutput(tokens=toks, done=[bool(row[:, w + 1].any()) for row in out], model_s=model_s,
+                                 accepted=[int(row[:, w + 2].sum()) for row in out],
+                                 steps=[int((row[:, w] > 0).sum()) for row in out])
 
 
 # ------------------------------------------------------------------------------ block diffusion

@@ -26,13 +26,13 @@ connections, the running requests finish, then the batchers stop.
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import secrets
 import signal
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -128,6 +128,31 @@ class _TooLarge(Exception):
     pass
 
 
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+class RequestTimer:
+    """ASGI middleware: the server-side seconds of each generation request, from the ASGI call
+    to the last byte of its response (a stream included), summed into `totals` for /metrics.
+
+    Set against the engine seconds (``relf_model_seconds_total``) it gives the server's own
+    overhead: HTTP parsing, validation, the chat template, tokenising, queueing and streaming.
+    """
+
+    def __init__(self, app, totals: dict):
+        self.app, self.totals = app, totals
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("path") not in GENERATION_PATHS:
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.totals["seconds"] += time.perf_counter() - t0
+            self.totals["count"] += 1
+
+
 def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1, max_body: int = MAX_BODY_BYTES):
     """The FastAPI app serving `models` (model id -> its engines; the first is the default)."""
     from fastapi import FastAPI, Request
@@ -173,7 +198,11 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
     app = FastAPI(title="relf_jax", version="0.1.0",
                   description="OpenAI-compatible chat and completions over relf_jax generators.")
     app.state.models = models
+    app.state.http_totals = {"seconds": 0.0, "count": 0}
+    # response ids: unique per server process (a random prefix) without a uuid4 per request
+    id_prefix, id_counter = secrets.token_hex(6), itertools.count()
     app.add_middleware(BodyLimit, limit=max_body)
+    app.add_middleware(RequestTimer, totals=app.state.http_totals)  # added last: the outermost
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -265,7 +294,7 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
         else:
             rid = submit(served, req, sink)
         created = int(time.time())
-        oid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        oid = ("chatcmpl-" if chat else "cmpl-") + f"{id_prefix}{next(id_counter):012x}"
         kind = "chat.completion" if chat else "text_completion"
 
         def usage_of(ev: Event) -> dict:
@@ -393,13 +422,14 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
-        return PlainTextResponse(prometheus_text(models), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(prometheus_text(models, app.state.http_totals), media_type="text/plain; version=0.0.4")
 
     return app
 
 
-def prometheus_text(models: dict[str, list[ServedEngine]]) -> str:
-    """Prometheus exposition text: queue length, slots, TTFT, tokens, tokens/s, acceptance length."""
+def prometheus_text(models: dict[str, list[ServedEngine]], http_totals: dict | None = None) -> str:
+    """Prometheus exposition text: queue length, slots, TTFT, tokens, tokens/s, acceptance length,
+    and the server-side seconds of generation requests (`RequestTimer`)."""
     lines: list[str] = []
 
     def metric(name: str, kind: str, doc: str, samples: list[tuple[dict, float]]):
@@ -448,6 +478,12 @@ def prometheus_text(models: dict[str, list[ServedEngine]]) -> str:
            each(lambda s: s.batcher.stats.e2e_sum))
     metric("relf_e2e_seconds_count", "counter", "Finished requests counted in relf_e2e_seconds_sum.",
            each(lambda s: s.batcher.stats.e2e_count))
+    if http_totals is not None:
+        lines.append("# HELP relf_http_request_duration_seconds Server-side seconds of generation requests "
+                     "(ASGI call to the last response byte).")
+        lines.append("# TYPE relf_http_request_duration_seconds summary")
+        lines.append(f"relf_http_request_duration_seconds_sum {float(http_totals['seconds'])!r}")
+        lines.append(f"relf_http_request_duration_seconds_count {int(http_totals['count'])}")
     return "\n".join(lines) + "\n"
 
 
