@@ -162,9 +162,10 @@ def _stack_slots(tree, n: int):
 
 
 def _first_token(st, prompt_len: int) -> tuple[int, bool]:
-    """The prefill's sampled token and done flag (batch of one), in one device-to-host copy."""
-    tok, done = jax.device_get((st.tokens[0, prompt_len], st.done[0]))
-    return int(tok), bool(done)
+    """The prefill's sampled token and done flag (batch of one), copied to the host whole (no
+    indexing op to dispatch)."""
+    tokens, done = jax.device_get((st.tokens, st.done))
+    return int(tokens[0, prompt_len]), bool(done[0])
 
 
 def _free_slots(engine: Engine, state):
@@ -330,10 +331,10 @@ class AREngine(Engine):
         t0 = time.perf_counter()
         slots, out = self._jit_step(self.lm.params, state.slots, nucleus=bool(state.nucleus))
         state = dataclasses.replace(state, slots=slots)
-        out = np.asarray(out)  # one device-to-host copy
+        out = np.asarray(out).tolist()  # one device-to-host copy; Python ints from here on
         model_s = time.perf_counter() - t0
-        toks = [[int(t) for t, e, _ in row if e] for row in out]
-        return state, StepOutput(tokens=toks, done=[bool(row[:, 2].any()) for row in out], model_s=model_s,
+        toks = [[t for t, e, _ in row if e] for row in out]
+        return state, StepOutput(tokens=toks, done=[any(d for _, _, d in row) for row in out], model_s=model_s,
                                  steps=[len(t) for t in toks])
 
 
@@ -454,13 +455,13 @@ class SpeculativeEngine(Engine):
         dp = self.draft.params if self.draft is not None else None
         slots, out = self._jit_step(self.lm.params, dp, state.slots, nucleus=bool(state.nucleus))
         state = dataclasses.replace(state, slots=slots)
-        out = np.asarray(out)  # one device-to-host copy
+        out = np.asarray(out).tolist()  # one device-to-host copy; Python ints from here on
         model_s = time.perf_counter() - t0
         w = self.k + 1
-        toks = [[int(t) for r in row for t in r[:r[w]]] for row in out]
-        return state, StepOutput(tokens=toks, done=[bool(row[:, w + 1].any()) for row in out], model_s=model_s,
-                                 accepted=[int(row[:, w + 2].sum()) for row in out],
-                                 steps=[int((row[:, w] > 0).sum()) for row in out])
+        toks = [[t for r in row for t in r[:r[w]]] for row in out]
+        return state, StepOutput(tokens=toks, done=[any(r[w + 1] for r in row) for row in out], model_s=model_s,
+                                 accepted=[sum(r[w + 2] for r in row) for row in out],
+                                 steps=[sum(r[w] > 0 for r in row) for row in out])
 
 
 # ------------------------------------------------------------------------------ block diffusion
