@@ -9,7 +9,7 @@ was cancelled is released with `free` and may be reused at once.
 - `AREngine`: one token per step (the sampler of `relf_jax.sampling.autoregressive`).
 - `SpeculativeEngine`: one draft/verify round per step, 1..k+1 tokens (the round of
   `relf_jax.speculative.generate`; standard / NSD / greedy rule, draft model or prompt lookup).
-  These two may run several steps per `generate` call (``steps_per_call``, one jitted scan).
+  These two may run several steps per `generate` call (``steps_per_call``, one jitted loop).
 - `BlockDiffusionEngine`: one committed block per step (confidence-threshold decoding of
   `relf_jax.dws.decoding`).
 - `ReLFEngine`: the whole reply at once (the flow sampler of `relf_jax.flow.samplers`, with the
@@ -217,7 +217,7 @@ class _Held:
 
 
 def _check_steps_per_call(n: int) -> int:
-    """Sampler steps (AR tokens, speculative rounds) one `generate` call runs, in one jitted scan.
+    """Sampler steps (AR tokens, speculative rounds) one `generate` call runs, in one jitted loop.
 
     More than one cuts the per-step host work (dispatch, the host copy, the batcher's
     bookkeeping, one streamed chunk per call) at the cost of a coarser stream and of requests
