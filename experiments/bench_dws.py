@@ -146,10 +146,12 @@ def bench_dws(out: str, quick: bool = False, workdir: str | None = None, overrid
                                        [len(lg.output) for lg in probe_logs], **data_kw)
     pcfg = make_config(preset, ["train.learning_rate=2e-3", "train.warmup_steps=20", "train.log_every=50",
                                 f"train.batch_size={sz.predictor_batch}"], workdir=workdir)
-    # predictors resume from their checkpoints, so their directory names the data they train on
-    # (and the stop tokens: the same prompts decode to other workloads under other stops)
+    # predictors resume from their checkpoints, so their directory names the data they train on:
+    # the block-diffusion model's step (a model trained on decodes other workloads), the stop
+    # tokens (the same prompts decode to other workloads under other stops) and the sizes
     stops = "-".join(map(str, settings.stop_ids))
-    pred_dir = os.path.join(workdir, f"predictor_n{sz.n_train}_c{sz.coarse_steps}_f{sz.fine_steps}_stop{stops}")
+    pred_dir = os.path.join(workdir, f"predictor_bd{lm.step}_n{sz.n_train}_c{sz.coarse_steps}_f{sz.fine_steps}"
+                                     f"_stop{stops}")
     predicted = {}  # head -> (probe predictions, test predictions)
     train_s = {}
     for head in ("surface", "length", "steps"):
