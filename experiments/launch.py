@@ -345,8 +345,7 @@ def _serve(args) -> int:
                           max_queue=args.max_queue, policy=args.policy, aging=args.aging, template=template,
                           cost_fn=cost_fn, mock=args.mock, mock_step_s=args.mock_step_ms / 1e3, k=args.k,
                           proposer=args.proposer, draft=args.draft, nsd_top_p=args.nsd_top_p, nfe=args.nfe,
-                          threshold=args.threshold,
-                          **({"steps_per_call": args.steps_per_call} if args.steps_per_call is not None else {}))
+                          threshold=args.threshold, steps_per_call=args.steps_per_call)
     name = next(iter(models))
     print(f"[serve] model {name!r} with {', '.join(s.generator for s in models[name])} on "
           f"http://{args.host}:{args.port}/v1 (policy {args.policy}, {args.slots} slots)", flush=True)

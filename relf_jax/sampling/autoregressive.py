@@ -70,7 +70,14 @@ def prompt_bucket(length: int, minimum: int = 8) -> int:
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0, bucket: int | None = None):
-    """Left-aligned [B, bucket] int32 array and [B] lengths from ragged token lists."""
+    """Left-aligned [B, bucket] int32 array and [B] lengths from ragged token lists (device arrays)."""
+    arr, lens = pad_prompts_np(prompts, pad_id, bucket)
+    return jnp.asarray(arr), jnp.asarray(lens)
+
+
+def pad_prompts_np(prompts: Sequence[Sequence[int]], pad_id: int = 0, bucket: int | None = None):
+    """`pad_prompts` as NumPy arrays: a jitted call copies them to the device with its other
+    arguments, cheaper than a device array each (the serving engines' per-request prefill)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise UserError("every prompt needs at least one token (the BOS token)")
     longest = max(len(p) for p in prompts)
@@ -78,7 +85,7 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0, bucket: int |
     arr = np.full((len(prompts), bucket), pad_id, np.int32)
     for i, p in enumerate(prompts):
         arr[i, :len(p)] = p
-    return jnp.asarray(arr), jnp.asarray([len(p) for p in prompts], jnp.int32)
+    return arr, np.asarray([len(p) for p in prompts], np.int32)
 
 
 def _forward(graphdef, params, tokens, positions, cache, cache_index):

@@ -175,12 +175,10 @@ def _free_slots(engine: Engine, state):
     return state
 
 
-def _one_prompt(prompt: Sequence[int], pad_id: int, bucket: int) -> tuple[np.ndarray, np.ndarray]:
-    """[1, bucket] int32 prompt and its [1] length as NumPy arrays: the jitted prefill copies
-    them to the device with its other arguments (cheaper than a device array each)."""
-    arr = np.full((1, bucket), pad_id, np.int32)
-    arr[0, :len(prompt)] = prompt
-    return arr, np.asarray([len(prompt)], np.int32)
+def _pad_one(prompt: Sequence[int], pad_id: int, bucket: int):
+    from relf_jax.sampling.autoregressive import pad_prompts_np
+
+    return pad_prompts_np([list(prompt)], pad_id, bucket)
 
 
 def _key_data(seed: int):
@@ -289,7 +287,7 @@ class AREngine(Engine):
     def prefill(self, prompt, params):
         ar = self._ar
         bucket = bucket_for(len(prompt), self.max_context - 1)
-        arr, lens = _one_prompt(prompt, self.tokenizer.pad_id, bucket)
+        arr, lens = _pad_one(prompt, self.tokenizer.pad_id, bucket)
         sampling = self._sampling(params)
         t0 = time.perf_counter()
         st = ar.prefill(self.lm.graphdef, self.lm.params, arr, lens, jax.random.key(params.seed), sampling,
@@ -404,7 +402,7 @@ class SpeculativeEngine(Engine):
 
     def prefill(self, prompt, params):
         bucket = bucket_for(len(prompt), self.max_context - self.reserve() - 1)
-        arr, lens = _one_prompt(prompt, self.tokenizer.pad_id, bucket)
+        arr, lens = _pad_one(prompt, self.tokenizer.pad_id, bucket)
         dg, dp = self._draft_parts()
         sp = self._params(params)
         t0 = time.perf_counter()
