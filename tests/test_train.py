@@ -181,3 +181,29 @@ def test_step_cache_reuses_the_compiled_step_only_when_the_optimizer_matches(tmp
     assert sig(*flat, "train.steps=2") == sig(*flat, "train.steps=4")
     assert sig("train.warmup_steps=0", "train.steps=2") != sig("train.warmup_steps=0", "train.steps=4")
     assert sig("train.min_lr_ratio=1.0", "train.steps=2") != sig("train.min_lr_ratio=1.0", "train.steps=4")
+
+
+def test_cpu_train_options_reach_xla_and_keep_the_step_s_result(tmp_path, tiny_model_cfg, monkeypatch):
+    """The train step's CPU compiler options (relf_jax.compile_options) are accepted by this jaxlib,
+    change the compiled program (YNNPACK fusions), and give the step XLA's default result."""
+    from relf_jax import compile_options as co
+
+    opts = co.train_options(jax.devices())
+    assert opts == co.CPU_TRAIN_OPTIONS
+    x = jnp.ones((64, 64), jnp.float32)
+    with_opts = jax.jit(lambda a: jnp.tanh(a @ a), compiler_options=opts).lower(x).compile().as_text()
+    plain = jax.jit(lambda a: jnp.tanh(a @ a)).lower(x).compile().as_text()
+    assert "ynn" in with_opts and with_opts != plain
+    # an option this jaxlib does not know: defaults and a warning, not a failing step
+    assert not co._accepted((("xla_cpu_no_such_option", "1"),))
+
+    outs = []
+    for defaults in ("0", "1"):
+        monkeypatch.setenv("RELF_JAX_XLA_CPU_DEFAULTS", defaults)
+        assert bool(co.train_options(jax.devices())) == (defaults == "0")
+        cfg = _cfg("train.steps=2", "train.async_checkpoint=false")
+        res = train(cfg, tiny_model_cfg, next_token_loss, CountingBatches(), workdir=str(tmp_path / defaults),
+                    tensorboard=False)
+        outs.append(jax.tree.leaves(res.params))
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)

@@ -33,6 +33,7 @@ from flax import nnx
 
 from relf_jax import sharding as shd
 from relf_jax.checkpoint import Checkpointer, abstract_like
+from relf_jax.compile_options import train_options
 from relf_jax.config import Config, ModelConfig
 from relf_jax.errors import UserError
 from relf_jax.models import build_model
@@ -140,7 +141,7 @@ def make_train_step(plan: ShardedState, loss_fn: LossFn, grad_accum: int, batch_
     return jax.jit(step,
                    in_shardings=(plan.param_shardings, plan.opt_shardings, batch_shardings, None, frozen_shardings),
                    out_shardings=(plan.param_shardings, plan.opt_shardings, None),
-                   donate_argnums=(0, 1))
+                   donate_argnums=(0, 1), compiler_options=train_options(plan.mesh))
 
 
 def make_eval_step(plan: ShardedState, loss_fn: LossFn):
