@@ -207,3 +207,26 @@ def test_cpu_train_options_reach_xla_and_keep_the_step_s_result(tmp_path, tiny_m
         outs.append(jax.tree.leaves(res.params))
     for a, b in zip(*outs):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_grad_accum_sums_tokens_and_averages_other_metrics(tiny_model_cfg):
+    """A step's metrics over micro-batches: "tokens" adds up, a per-batch metric (a constant 0.5,
+    the batch's mean token id) is averaged, not multiplied by grad_accum."""
+    from relf_jax import sharding as shd
+    from relf_jax.train.loop import init_state, make_train_step, put_batch
+
+    def loss_with_metrics(model, batch, key):
+        loss, aux = next_token_loss(model, batch, key)
+        return loss, {**aux, "half": jnp.float32(0.5), "mean_id": batch["tokens"].mean().astype(jnp.float32)}
+
+    mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    plan = plan_state(tiny_model_cfg, make_optimizer(_cfg().train), mesh)
+    batch = put_batch(next(CountingBatches()), mesh)
+    got = {}
+    for accum in (1, 4):
+        params, opt = init_state(plan, tiny_model_cfg, jax.random.key(0))
+        step = make_train_step(plan, loss_with_metrics, accum, jax.tree.map(lambda x: x.sharding, batch))
+        got[accum] = jax.device_get(step(params, opt, batch, jax.random.key(0), None)[2])
+    assert float(got[4]["half"]) == pytest.approx(0.5)
+    assert float(got[4]["mean_id"]) == pytest.approx(float(got[1]["mean_id"]), rel=1e-5)
+    assert float(got[4]["tokens"]) == pytest.approx(float(got[1]["tokens"]))

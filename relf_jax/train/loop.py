@@ -40,6 +40,9 @@ from relf_jax.models import build_model
 from relf_jax.train.metrics import MetricsWriter, plot_loss_curve
 from relf_jax.train.optimizers import learning_rate_schedule, make_optimizer
 
+# loss_fn(model, batch, key) -> (loss, metrics): metrics["tokens"] (optional) counts what the
+# loss averages over (throughput, and summed over grad_accum micro-batches); other metrics are
+# averaged over micro-batches
 LossFn = Callable[[nnx.Module, dict, jax.Array], tuple[jax.Array, dict]]
 
 
@@ -132,6 +135,9 @@ def make_train_step(plan: ShardedState, loss_fn: LossFn, grad_accum: int, batch_
             (gsum, lsum, aux), _ = jax.lax.scan(body, (zero_g, 0.0, zero_a), (micro, jnp.arange(grad_accum)))
             grads = jax.tree.map(lambda g: g / grad_accum, gsum)
             loss = lsum / grad_accum
+            # the step's metrics: "tokens" counts add up over micro-batches, every other entry
+            # (accuracy, cross-entropy, KL, ...) is each micro-batch's value, so it is averaged
+            aux = {k: v if k == "tokens" else v / grad_accum for k, v in aux.items()}
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
