@@ -144,7 +144,7 @@ def bench_dws(out: str, quick: bool = False, workdir: str | None = None, overrid
 
     # --- labels (batched decoder) and timed runs (instrumented, one request at a time)
     t0 = time.perf_counter()
-    train_steps, train_lens = decode_labels(graphdef, params, [p.ids for p in train_p], settings)
+    train_steps, train_lens = decode_labels(graphdef, params, [p.ids for p in train_p], settings, cache_dir=workdir)
     label_s = time.perf_counter() - t0
     probe_logs = timed_runs(graphdef, params, [p.ids for p in probe_p], settings, desc="probe requests")
     test_logs = timed_runs(graphdef, params, [p.ids for p in test_p], settings, desc="test requests")
@@ -234,7 +234,7 @@ def bench_dws(out: str, quick: bool = False, workdir: str | None = None, overrid
     result = {
         "config": {**dataclasses.asdict(sz), "quick": quick, "workdir": workdir, "backend": jax.default_backend(),
                    "threshold": settings.threshold, "stop_ids": list(settings.stop_ids)},
-        "workload": {
+        "workload": {  # label_decode_s: ~0 when the labels came from <workdir>/labels_*.json
             "n_train": len(train_p), "n_probe": len(probe_p), "n_test": len(test_p),
             "chatterbot_in_train": int(sum(p.source == "chatterbot" for p in train_p)),
             "chatterbot_in_test": int(sum(p.source == "chatterbot" for p in test_p)),

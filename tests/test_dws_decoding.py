@@ -1,6 +1,7 @@
 """Block-diffusion network and confidence-threshold decoding."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -185,3 +186,26 @@ def test_bd_cli_train_sample_eval(tmp_path, capsys):
     assert "tokens per forward" in capsys.readouterr().err
     assert main(["eval", *common, "--judge", "exact"]) == 0
     assert '"gen_ppl"' in capsys.readouterr().out
+
+
+def test_decode_labels_cache(bd, tmp_path, monkeypatch):
+    """Labels cached under a key of parameters, prompts and settings: a rerun reads them back, and
+    other prompts or other parameters decode afresh."""
+    from relf_jax.dws import workload
+
+    _, (graphdef, params) = bd
+    prompts = [[2, 5, 6, 7, 8, 9], [2, 5, 6], [2]]
+    s = settings(threshold=0.5)
+    first = workload.decode_labels(graphdef, params, prompts, s, batch_size=2, progress=False, cache_dir=str(tmp_path))
+    files = list(tmp_path.glob("labels_*.json"))
+    assert len(files) == 1
+    assert first == workload.decode_labels(graphdef, params, prompts, s, batch_size=2, progress=False)
+
+    calls = []
+    monkeypatch.setattr(workload, "_decode_labels", lambda *a: calls.append(a) or ([[1]] * len(a[2]), [1] * len(a[2])))
+    again = workload.decode_labels(graphdef, params, prompts, s, batch_size=2, progress=False, cache_dir=str(tmp_path))
+    assert again == tuple(json.loads(files[0].read_text()).values()) == first and calls == []
+    workload.decode_labels(graphdef, params, prompts[:2], s, batch_size=2, progress=False, cache_dir=str(tmp_path))
+    other = jax.tree.map(lambda x: x + 1e-3, params)
+    workload.decode_labels(graphdef, other, prompts, s, batch_size=2, progress=False, cache_dir=str(tmp_path))
+    assert len(calls) == 2 and len(list(tmp_path.glob("labels_*.json"))) == 3

@@ -6,13 +6,16 @@
 - `decode_settings`: the confidence-threshold decoder's settings for a loaded block-diffusion
   model; a reply stops at EOS or at the ``<user>`` marker that opens the next turn.
 - `decode_labels`: steps per block and output length of many prompts with the batched jitted
-  decoder (cheap labels for training the predictor).
+  decoder (cheap labels for training the predictor), optionally cached on disk.
 - `timed_runs`: the instrumented decoder over prompts, one at a time (`RequestLog` each).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
 from collections.abc import Sequence
 
 import jax
@@ -78,9 +81,42 @@ def decode_settings(lm, *, max_blocks: int, threshold: float = 0.95, temperature
                                threshold=threshold, temperature=temperature)
 
 
+def _labels_key(params, prompts: Sequence[Sequence[int]], settings: BlockDecodeSettings, batch_size: int) -> str:
+    h = hashlib.sha256()
+    h.update(repr((settings, batch_size)).encode())
+    h.update(json.dumps([list(map(int, p)) for p in prompts]).encode())
+    for leaf in jax.tree.leaves(params):
+        h.update(np.ascontiguousarray(jax.device_get(leaf)).tobytes())
+    return h.hexdigest()[:20]
+
+
 def decode_labels(graphdef, params, prompts: Sequence[Sequence[int]], settings: BlockDecodeSettings, *,
-                  batch_size: int = 32, progress: bool = True) -> tuple[list[list[int]], list[int]]:
-    """(steps per block, output tokens) of each prompt, decoded `batch_size` at a time."""
+                  batch_size: int = 32, progress: bool = True,
+                  cache_dir: str | None = None) -> tuple[list[list[int]], list[int]]:
+    """(steps per block, output tokens) of each prompt, decoded `batch_size` at a time.
+
+    With `cache_dir`, the labels are kept in ``<cache_dir>/labels_<key>.json``, the key hashing
+    the parameters, prompts and settings: a rerun (say, after an interrupted benchmark) reads them
+    instead of decoding again.
+    """
+    path = None
+    if cache_dir is not None:
+        path = os.path.join(cache_dir, f"labels_{_labels_key(params, prompts, settings, batch_size)}.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                cached = json.load(f)
+            return cached["steps"], cached["lens"]
+    steps, lens = _decode_labels(graphdef, params, prompts, settings, batch_size, progress)
+    if path is not None:
+        os.makedirs(cache_dir, exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"steps": steps, "lens": lens}, f)
+        os.replace(tmp, path)
+    return steps, lens
+
+
+def _decode_labels(graphdef, params, prompts, settings, batch_size, progress):
     from tqdm.auto import tqdm
 
     longest = max(len(p) for p in prompts)
