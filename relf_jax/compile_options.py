@@ -24,10 +24,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-# xla_cpu_experimental_ynn_fusion_type is a repeated enum; as a compile option it takes the enum
-# names, comma-separated
 _log = logging.getLogger(__name__)
 
+# xla_cpu_experimental_ynn_fusion_type is a repeated enum; as a compile option it takes the enum
+# names, comma-separated
 CPU_TRAIN_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE"}
 
 
@@ -45,7 +45,7 @@ def _accepted(items: tuple[tuple[str, str], ...]) -> bool:
         return True
     except Exception as e:  # noqa: BLE001 - any refusal means: keep XLA's defaults
         _log.warning("XLA:CPU refused the train-step compiler options %s (%s); using XLA's defaults",
-                        dict(items), str(e).splitlines()[0][:200])
+                     dict(items), str(e).splitlines()[0][:200])
         return False
 
 
