@@ -46,7 +46,7 @@ class DWSBenchSizes:
     max_blocks: int = 12
     # predictor training prompts (labels: one batched greedy decode each). The predictors overfit
     # 6,000 (surface Brier 0.002 train vs 0.032 test); 24,000 cut the DWS cost MAE 14 % (3.50 ->
-    # 3.03 ms) and raised its ratio to the length predictor's from 1.54x to 1.63x on run 2's model
+    # 3.03 ms) and raised its ratio to the length predictor's from 1.54x to 1.63x (README: DWS run 7)
     n_train: int = 24000
     n_probe: int = 150
     # 1,500: the cost MAE is set by the few requests that run to max_blocks, so on 400 the error
