@@ -68,6 +68,31 @@ def test_sample_matches_distribution_histogram():
         assert np.all(np.abs(freq - target) <= 5 * sigma + 1e-9), (temperature, top_k, top_p, freq, target)
 
 
+def test_sample_histogram_wide_vocabulary_per_row_settings():
+    """A 512-token vocabulary with logits spread over ~30 nats, two rows with their own
+    temperature / top-p in one call: each row's 200k draws pass a chi-square test against its own
+    distribution (tokens expected fewer than 5 times pooled into one bin), and tokens the filter
+    removed never appear."""
+    from scipy import stats
+
+    v, n = 512, 200_000
+    logits = jax.random.normal(jax.random.key(3), (2, v)) * 5.0
+    temperature, top_p = jnp.asarray([1.0, 0.6]), jnp.asarray([1.0, 0.8])
+    target = np.exp(np.asarray(processors.log_probs(logits, temperature, 0, top_p), np.float64))
+    keys = jax.random.split(jax.random.key(11), n)
+    draws = np.asarray(jax.jit(jax.vmap(lambda k: processors.sample(logits, k, temperature, 0, top_p)))(keys))
+    for row in range(2):
+        counts = np.bincount(draws[:, row], minlength=v)
+        expected = target[row] / target[row].sum() * n
+        assert counts[expected == 0].sum() == 0, row
+        big = expected >= 5
+        obs = np.append(counts[big], counts[~big].sum())
+        exp = np.append(expected[big], expected[~big].sum())
+        chi2 = float(np.sum((obs - exp) ** 2 / np.maximum(exp, 1e-12)))
+        assert stats.chi2.sf(chi2, len(obs) - 1) > 1e-6, (row, chi2, len(obs))
+    assert np.sum(target[1] == 0) > v // 2  # the nucleus row really filters
+
+
 def test_generate_compiles_once_and_stream_matches(tiny_model):
     graphdef, params = tiny_model
     settings = ar.DecodeSettings(max_new_tokens=10, eos_id=1)
@@ -84,7 +109,8 @@ def test_generate_compiles_once_and_stream_matches(tiny_model):
     reps = ar.replies(s1, lens)
     for r in range(2):
         np.testing.assert_array_equal(out[r, :len(reps[r])], reps[r])
-    assert all(len(r) == 10 for r in reps)
+    # each reply runs to max_new_tokens unless it ends at its first EOS
+    assert all(len(r) == 10 or (r[-1] == 1 and 1 not in r[:-1]) for r in reps), reps
 
 
 def test_greedy_generation_equals_argmax_recompute(tiny_model):
@@ -135,3 +161,16 @@ def test_per_row_settings_equal_separate_rows():
     for r in range(3):
         alone = processors.log_probs(logits[r], float(temps[r]), int(ks[r]), float(ps[r]))
         np.testing.assert_allclose(together[r], alone, atol=1e-6)
+
+
+def test_running_sum_and_greedy_ties():
+    """The matmul running sum equals cumsum (any V, also not a multiple of the block); greedy
+    sampling returns the first of tied maxima, as argmax does, and ignores the key."""
+    w = jax.random.uniform(jax.random.key(0), (3, 2, 77))
+    np.testing.assert_allclose(processors.running_sum(w, block=8), jnp.cumsum(w, axis=-1), rtol=1e-6)
+    np.testing.assert_allclose(processors.running_sum(w), jnp.cumsum(w, axis=-1), rtol=1e-6)
+    logits = jnp.asarray([[0.0, 3.0, 1.0, 3.0], [5.0, -1.0, 5.0, 5.0]])
+    for seed in range(5):
+        np.testing.assert_array_equal(processors.sample(logits, jax.random.key(seed), 0.0), [1, 0])
+    per_row = processors.sample(logits, jax.random.key(0), jnp.asarray([0.0, 1.0]))
+    assert int(per_row[0]) == 1 and int(per_row[1]) in (0, 2, 3)

@@ -35,6 +35,7 @@ from flax import nnx, struct
 
 from relf_jax.models.block_diffusion import decode_mask
 from relf_jax.models.causal_lm import init_cache
+from relf_jax.sampling import processors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +73,7 @@ def confidence_commit(logits: jax.Array, is_masked: jax.Array, threshold: float,
     commit every masked position whose confidence is > threshold; a row with masked positions
     but none above it commits its single most confident masked position. Greedy (temperature
     0): the token is the argmax and the confidence its probability. With temperature > 0 the
-    token is sampled from softmax(logits / T) (Gumbel-max with `key`) and the confidence is the
+    token is sampled from softmax(logits / T) (`sampling.processors.sample` with `key`) and the confidence is the
     sampled token's probability under that distribution. `temperature` may be a traced scalar
     (0 then means greedy, as above).
     """
@@ -81,15 +82,13 @@ def confidence_commit(logits: jax.Array, is_masked: jax.Array, threshold: float,
         if key is None:
             raise ValueError("a traced temperature needs a key")
         t = jnp.asarray(temperature, jnp.float32)
-        scaled = logits / jnp.where(t > 0, t, 1.0)
-        drawn = jnp.argmax(scaled + jax.random.gumbel(key, logits.shape, jnp.float32), axis=-1)
-        tokens = jnp.where(t > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
-        logits = scaled
+        tokens = processors.sample(logits, key, t)  # argmax where t <= 0
+        logits = logits / jnp.where(t > 0, t, 1.0)
     elif temperature > 0:
         if key is None:
             raise ValueError("sampling (temperature > 0) needs a key")
+        tokens = processors.sample(logits, key, temperature)
         logits = logits / temperature
-        tokens = jnp.argmax(logits + jax.random.gumbel(key, logits.shape, jnp.float32), axis=-1).astype(jnp.int32)
     else:
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     probs = jax.nn.softmax(logits, axis=-1)

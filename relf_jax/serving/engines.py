@@ -481,7 +481,7 @@ class BlockDiffusionEngine(Engine):
     Each step runs, for every occupied slot in lockstep, the denoising steps its current block
     needs (a slot whose block is done idles until the others finish theirs), then the refresh
     forward; the step's output is each slot's committed block. Temperature 0 is greedy; > 0
-    samples tokens (Gumbel-max) per slot. `top_p` does not apply.
+    samples tokens (inverse CDF, `processors.sample`) per slot. `top_p` does not apply.
     """
 
     def __init__(self, lm, num_slots: int = 8, *, threshold: float = 0.95, name: str = "bd"):
