@@ -74,7 +74,14 @@ class DWSBenchSizes:
 QUICK = DWSBenchSizes(bd_steps=150, n_train=400, n_probe=60, n_test=120, coarse_steps=100, fine_steps=150,
                       predictor_d_model=64, predictor_layers=2, loads=(0.5, 0.7, 0.9), seeds=5, sim_jobs=500)
 
-PREDICTORS = ("dws", "length", "steps", "prompt_len", "oracle")
+# "dws": the surface predictor with the length block head (expected cost, as methods.md prices a
+# surface); "dws_continue": the same with methods.md's continuation block head; "dws_median":
+# the headline predictor's median cost (`CostModel.sample_costs`), the MAE-optimal point of the
+# same predicted distribution (the scalar baselines regress log(1 + y), also median-like)
+PREDICTORS = ("dws", "dws_continue", "dws_median", "length", "steps", "prompt_len", "oracle")
+# predictor directory (under the run's predictor_* folder) -> (head, block head)
+PREDICTOR_DIRS = {"surface_length": ("surface", "length"), "surface": ("surface", "continue"),
+                  "length": ("length", "continue"), "steps": ("steps", "continue")}
 
 
 def _split(items: list, sizes: Sequence[int]) -> list[list]:
@@ -167,15 +174,16 @@ def bench_dws(out: str, quick: bool = False, workdir: str | None = None, overrid
                                      f"_stop{stops}")
     predicted = {}  # head -> (probe predictions, test predictions)
     train_s = {}
-    for head in ("surface", "length", "steps"):
-        mcfg = pr.predictor_config(tok.vocab_size, d, nb, head, max_len=max_prompt, d_model=sz.predictor_d_model,
-                                   num_layers=sz.predictor_layers)
+    for name, (head, block_head) in PREDICTOR_DIRS.items():
+        mcfg = dataclasses.replace(pr.predictor_config(tok.vocab_size, d, nb, head, max_len=max_prompt,
+                                                       d_model=sz.predictor_d_model, num_layers=sz.predictor_layers),
+                                   predictor_block_head=block_head)
         t0 = time.perf_counter()
-        res = pr.train_predictor(pcfg, mcfg, train_data, os.path.join(pred_dir, head),
+        res = pr.train_predictor(pcfg, mcfg, train_data, os.path.join(pred_dir, name),
                                  coarse_steps=sz.coarse_steps, fine_steps=sz.fine_steps, eval_data=test_data,
                                  tokenizer_bytes=tok.to_bytes())
-        train_s[head] = time.perf_counter() - t0
-        predicted[head] = tuple(pr.predict(res.graphdef, res.params, x.tokens, x.length)
+        train_s[name] = time.perf_counter() - t0
+        predicted[name] = tuple(pr.predict(res.graphdef, res.params, x.tokens, x.length)
                                 for x in (probe_data, test_data))
 
     # --- costs: cost model on the probes' realised surfaces, scalar lines on the probes
@@ -183,10 +191,12 @@ def bench_dws(out: str, quick: bool = False, workdir: str | None = None, overrid
     m_probe, m_test = _prompt_blocks(probe_p, d), _prompt_blocks(test_p, d)
     probe_maps, test_maps = _maps(probe_logs, nb, d), _maps(test_logs, nb, d)
     model = cm.fit_cost_model(m_probe, probe_maps, probe_cost, penalty_order=sz.penalty_order)
-    _s_probe, s_test = predicted["surface"]
+    _s_probe, s_test = predicted["surface_length"]
     scalars = {"length": predicted["length"], "steps": predicted["steps"],
                "prompt_len": (m_probe, m_test)}
-    pred_cost = {"dws": model.predict(m_test, s_test), "oracle": model.predict(m_test, test_maps)}
+    pred_cost = {"dws": model.predict(m_test, s_test), "oracle": model.predict(m_test, test_maps),
+                 "dws_continue": model.predict(m_test, predicted["surface"][1]),
+                 "dws_median": np.median(model.sample_costs(m_test, s_test), axis=1)}
     for name, (xp, xt) in scalars.items():
         pred_cost[name] = cm.fit_scalar_cost(xp, probe_cost).predict(xt)
     errors = {name: cost_errors(pred_cost[name], test_cost) for name in PREDICTORS}
@@ -228,7 +238,7 @@ def bench_dws(out: str, quick: bool = False, workdir: str | None = None, overrid
         return single["latency"][policy][at]["mean"]
 
     # --- predictor time per prompt on one pinned core
-    pred_ms = _predictor_latency(os.path.join(pred_dir, "surface"), model,
+    pred_ms = _predictor_latency(os.path.join(pred_dir, "surface_length"), model,
                                  [p.text for p in test_p][:200], d, nb, max_prompt)
 
     result = {
@@ -249,6 +259,12 @@ def bench_dws(out: str, quick: bool = False, workdir: str | None = None, overrid
         "error_ratio_vs_length": errors["length"]["mae"] / errors["dws"]["mae"],
         "error_ratio_vs_steps": errors["steps"]["mae"] / errors["dws"]["mae"],
         "error_ratio_vs_prompt_len": errors["prompt_len"]["mae"] / errors["dws"]["mae"],
+        # the same ratios for the continuation block head and for the median point prediction
+        "error_ratio_vs_length_by_predictor": {k: errors["length"]["mae"] / errors[k]["mae"]
+                                               for k in ("dws", "dws_continue", "dws_median")},
+        "error_ratio_vs_steps_by_predictor": {k: errors["steps"]["mae"] / errors[k]["mae"]
+                                              for k in ("dws", "dws_continue", "dws_median")},
+        "predictor_dir": os.path.join(pred_dir, "surface_length"),
         "predicted_surface_invariant_violations": surface_violations,
         "transfer": transfer,
         "latency": single["latency"],

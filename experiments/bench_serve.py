@@ -297,14 +297,25 @@ def _ensure_dws(workdir: str, quick: bool) -> tuple[str, str]:
     """(surface predictor dir, bench dws JSON) under <workdir>/dws, made by `bench dws` if missing."""
     dws_dir = os.path.join(workdir, "dws")
     report = os.path.join(workdir, "dws.json")
-    found = sorted(glob.glob(os.path.join(dws_dir, "predictor_*", "surface")), key=os.path.getmtime)
-    if not (found and os.path.isfile(report)):
+    def headline():  # the predictor of the report's "dws" row; else the newest surface predictor
+        if not os.path.isfile(report):
+            return None
+        with open(report) as f:
+            named = json.load(f).get("predictor_dir")
+        if named and os.path.isdir(named):
+            return named
+        for name in ("surface_length", "surface"):
+            found = sorted(glob.glob(os.path.join(dws_dir, "predictor_*", name)), key=os.path.getmtime)
+            if found:
+                return found[-1]
+        return None
+
+    if headline() is None:
         from experiments.bench_dws import bench_dws
 
         print(f"[bench serve] no DWS predictor in {dws_dir}: running bench dws (writes {report})", flush=True)
         bench_dws(report, quick=quick, workdir=dws_dir)
-        found = sorted(glob.glob(os.path.join(dws_dir, "predictor_*", "surface")), key=os.path.getmtime)
-    return found[-1], report
+    return headline(), report
 
 
 PARTS = ("engines", "dws")

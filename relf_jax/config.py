@@ -63,6 +63,10 @@ class ModelConfig:
     max_blocks: int = 16  # dws: output blocks on the workload surface's grid (B_max)
     # dws: "surface" (block head + step head -> S[b, s]) or a scalar baseline on the same encoder
     predictor_head: Literal["surface", "length", "steps"] = "surface"
+    # dws surface head's block head: "continue" (continuation logits, methods.md as written) or
+    # "length" (a distribution over the reply's token count; the blocks follow from it and the
+    # first block's capacity exactly; see relf_jax.dws.predictor.predicted_surface)
+    predictor_block_head: Literal["continue", "length"] = "continue"
 
     @property
     def resolved_head_dim(self) -> int:

@@ -16,7 +16,9 @@ def test_bench_dws_toy_sizes(tmp_path):
     out = str(tmp_path / "dws.json")
     bench_dws(out, quick=True, workdir=str(tmp_path / "wd"), sizes=sizes, overrides=["train.progress=false"])
     r = json.load(open(out))
-    assert set(r["error"]) == {"dws", "length", "steps", "prompt_len", "oracle"}
+    assert set(r["error"]) == {"dws", "dws_continue", "dws_median", "length", "steps", "prompt_len", "oracle"}
+    assert set(r["error_ratio_vs_length_by_predictor"]) == {"dws", "dws_continue", "dws_median"}
+    assert os.path.isdir(r["predictor_dir"]) and r["predictor_dir"].endswith("surface_length")
     for e in r["error"].values():
         assert set(e) == {"mae", "mape", "kendall_tau"}
     for key in ("error_ratio_vs_length", "error_ratio_vs_steps", "latency_ratio_fcfs_over_sjf_dws",

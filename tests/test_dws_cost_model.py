@@ -258,3 +258,26 @@ def test_metrics_on_hand_examples():
         mape([1.0], [0.0])
     with pytest.raises(ValueError, match="at least 2"):
         kendall_tau([1.0], [1.0])
+
+
+def test_sample_costs_mean_matches_predict_and_maps_are_exact():
+    """Cost samples of a surface: a realised 0/1 map gives its own cost in every draw; a mixed
+    surface's sample mean is `predict`'s expected cost (4 standard errors), and its draws are
+    the costs of the runs the surface allows."""
+    m, maps = realised_requests(1, n=6)
+    model = true_model(m, W_PLANAR)
+    draws = model.sample_costs(m, maps, n=64)
+    np.testing.assert_allclose(draws, np.repeat(model.predict(m, maps)[:, None], 64, axis=1), rtol=1e-12)
+    # a request that takes one block of 1 step or two blocks of 4 steps, half and half
+    runs = [[1], [4, 4]]
+    S = 0.5 * (executed_map(runs[0], B, D) + executed_map(runs[1], B, D))
+    x = model.sample_costs(np.array([2.0]), S[None], n=20_000, seed=3)[0]
+    each = model.predict(np.array([2.0, 2.0]), np.stack([executed_map(r, B, D) for r in runs]))
+    assert x.mean() == pytest.approx(model.predict(2.0, S), abs=4 * x.std() / np.sqrt(x.size))
+    # blocks are drawn independently: 2 blocks with T_1 = 1 can appear too, but every draw is a
+    # run the surface allows (1 or 2 blocks, T_b in {1, 4})
+    allowed = {float(v) for v in each} | {float(model.predict(2.0, executed_map(r, B, D)))
+                                          for r in ([4], [1, 4])}
+    assert set(np.round(np.unique(x), 12)) <= {round(v, 12) for v in allowed}
+    with pytest.raises(ValueError, match="surfaces"):
+        model.sample_costs(m, maps[:, :, :2])

@@ -1,5 +1,7 @@
 """The prompt-only workload predictor: surface invariants, losses, coarse-to-fine training."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,6 +33,32 @@ def test_predicted_surface_invariants_and_first_block_cap():
     np.testing.assert_allclose(curves[:, 0], s[:, :, 0].sum(axis=1), rtol=1e-6)
 
 
+def _blocks_needed(reply_len: int, prompt_len: int) -> int:
+    cap = D - prompt_len % D if prompt_len % D else D
+    return min(NB, 1 if reply_len <= cap else 1 + -(-(reply_len - cap) // D))
+
+
+def test_length_block_head_gives_the_blocks_of_a_known_length():
+    """A (near) one-hot length distribution at L gives P(N >= b) = 1 for exactly the blocks a
+    reply of L tokens needs after a prompt of P tokens (first block: d - P mod d positions),
+    lengths past the grid are excluded, and the surface keeps its invariants."""
+    rows = [(p, ell) for p in range(1, 2 * D + 1) for ell in range(1, NB * D + 1)]
+    prompt = jnp.asarray([p for p, _ in rows])
+    logits = jnp.where(jnp.arange(1, NB * D + 1)[None, :] == jnp.asarray([ell for _, ell in rows])[:, None], 60.0, 0.0)
+    p_exists = np.asarray(pr.length_block_probs(logits, prompt, D, NB))
+    for i, (p, ell) in enumerate(rows):
+        top = (D - p % D if p % D else D) + (NB - 1) * D
+        if ell > top:  # off the grid for this prompt: excluded, the rest is uniform
+            assert p_exists[i, -1] > 0
+            continue
+        n = _blocks_needed(ell, p)
+        np.testing.assert_allclose(p_exists[i], [1.0] * n + [0.0] * (NB - n), atol=1e-6, err_msg=str((p, ell)))
+    out = {"length_logits": jnp.asarray(np.random.default_rng(1).normal(0, 2, (16, NB * D)), jnp.float32),
+           "step_logits": jnp.asarray(np.random.default_rng(2).normal(0, 2, (16, NB, D)), jnp.float32)}
+    s = np.asarray(pr.predicted_surface(out, jnp.arange(1, 17), D))
+    assert all(check_surface(x) == [] for x in s) and np.allclose(s[:, 0, 0], 1.0)
+
+
 def _toy_data(n: int, seed: int) -> pr.WorkloadData:
     """Token 5 in the prompt: one 1-step block; token 6: three 4-step blocks (prompts fill a block)."""
     rng = np.random.default_rng(seed)
@@ -54,9 +82,12 @@ def test_workload_data_build():
 def test_losses_finite_with_gradients():
     data = _toy_data(8, 1)
     batch = {k: jnp.asarray(v) for k, v in data.batch(np.arange(8)).items()}
-    for head, losses in (("surface", (pr.curve_loss, pr.brier_loss)), ("steps", (pr.scalar_loss,))):
-        graphdef, params = nnx.split(build_model(pr.predictor_config(V, D, NB, head, d_model=16, num_layers=1,
-                                                                      max_len=8), nnx.Rngs(0)))
+    for head, block_head, losses in (("surface", "continue", (pr.curve_loss, pr.brier_loss)),
+                                     ("surface", "length", (pr.curve_loss, pr.brier_loss)),
+                                     ("steps", "continue", (pr.scalar_loss,))):
+        mcfg = dataclasses.replace(pr.predictor_config(V, D, NB, head, d_model=16, num_layers=1, max_len=8),
+                                   predictor_block_head=block_head)
+        graphdef, params = nnx.split(build_model(mcfg, nnx.Rngs(0)))
         for loss_fn in losses:
             def value(p, f=loss_fn, g=graphdef):
                 return f(nnx.merge(g, p), batch, jax.random.key(0))[0]
@@ -73,10 +104,12 @@ def test_default_predictor_is_small():
 
 
 @pytest.mark.slow
-def test_coarse_to_fine_training_learns_the_surface(tmp_path):
+@pytest.mark.parametrize("block_head", ["continue", "length"])
+def test_coarse_to_fine_training_learns_the_surface(tmp_path, block_head):
     cfg = make_config("tiny", ["train.learning_rate=1e-2", "train.warmup_steps=5", "train.progress=false",
                                "train.batch_size=32"], workdir=str(tmp_path))
-    mcfg = pr.predictor_config(V, D, NB, "surface", d_model=16, num_layers=1, max_len=8)
+    mcfg = dataclasses.replace(pr.predictor_config(V, D, NB, "surface", d_model=16, num_layers=1, max_len=8),
+                               predictor_block_head=block_head)
     res = pr.train_predictor(cfg, mcfg, _toy_data(256, 2), str(tmp_path / "p"), coarse_steps=60, fine_steps=60)
     test = _toy_data(32, 3)
     s = pr.predict(res.graphdef, res.params, test.tokens, test.length)
@@ -85,3 +118,24 @@ def test_coarse_to_fine_training_learns_the_surface(tmp_path):
     err = np.abs(s.sum(axis=(1, 2)) - test.total_steps)
     assert err.mean() < 1.5, err  # true totals are 1 and 12 steps
     assert s[~short].sum(axis=(1, 2)).min() > s[short].sum(axis=(1, 2)).max()
+
+
+def test_length_ce_term():
+    """With the length block head the losses add LENGTH_CE_WEIGHT x the reply-length CE (its
+    target clipped to the grid); weight 0 leaves the plain Brier score; the continue head has none."""
+    data = _toy_data(8, 4)
+    batch = {k: jnp.asarray(v) for k, v in data.batch(np.arange(8)).items()}
+    mcfg = dataclasses.replace(pr.predictor_config(V, D, NB, "surface", d_model=16, num_layers=1, max_len=8),
+                               predictor_block_head="length")
+    model = build_model(mcfg, nnx.Rngs(0))
+    out = model(batch["tokens"], batch["length"])
+    s = pr.predicted_surface(out, batch["length"], D)
+    brier = float(jnp.mean((s - batch["executed"]) ** 2))
+    logp = jax.nn.log_softmax(out["length_logits"], axis=-1)  # every toy reply fits the grid
+    ce = -float(np.mean([logp[i, int(data.out_len[i]) - 1] for i in range(8)]))
+    loss, aux = pr.brier_loss(model, batch, jax.random.key(0))
+    assert float(loss) == pytest.approx(brier + pr.LENGTH_CE_WEIGHT * ce, rel=1e-5)
+    assert float(aux["length_ce"]) == pytest.approx(ce, rel=1e-5)
+    assert float(pr.brier_loss(model, batch, jax.random.key(0), length_weight=0.0)[0]) == pytest.approx(brier, rel=1e-5)
+    cont = build_model(pr.predictor_config(V, D, NB, "surface", d_model=16, num_layers=1, max_len=8), nnx.Rngs(0))
+    assert float(pr.brier_loss(cont, batch, jax.random.key(0))[1]["length_ce"]) == 0.0

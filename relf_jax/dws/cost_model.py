@@ -140,6 +140,33 @@ class CostModel:
         growth = self.delta * (m - self.m_mean) * S.sum(axis=(-2, -1))
         return self.intercept + self.alpha * m + self.beta * expected_blocks + cell_cost + growth
 
+    def sample_costs(self, prompt_blocks: np.ndarray, surfaces: np.ndarray, n: int = 512,
+                     seed: int = 0) -> np.ndarray:
+        """Cost samples [r, n] of requests with prompt_blocks [r] and surfaces [r, B_max, d]: the
+        surface read as a distribution (N from its first column, P(N >= b+1) = S[b, 0]; each
+        existing block's T_b from its row, P(T_b >= s+1) = S[b, s] / S[b, 0], blocks
+        independent), each draw priced like `predict` prices the surface. Their mean is
+        `predict`'s value (up to sampling error); quantiles give other point predictions (the
+        median is the MAE-optimal one, while `predict`, the mean, is what SJF's expected work
+        uses)."""
+        m = np.asarray(prompt_blocks, np.float64).reshape(-1)
+        S = np.clip(np.asarray(surfaces, np.float64), 0.0, 1.0)
+        if S.ndim != 3 or S.shape[1:] != self.W.shape or S.shape[0] != m.shape[0]:
+            raise ValueError(f"need prompt_blocks [r] and surfaces [r, {self.max_blocks}, {self.block_size}], "
+                             f"got {m.shape} and {S.shape}")
+        rng = np.random.default_rng(seed)
+        nb, d = self.W.shape
+        exists = S[:, :, 0]  # P(N >= b + 1)
+        cond = S / np.maximum(exists[..., None], 1e-12)  # P(T_b >= s + 1 | block b exists)
+        K = self.step_costs(m)  # [r, B_max, d]
+        out = np.empty((m.shape[0], n))
+        for i in range(m.shape[0]):
+            blocks = (rng.random((n, 1)) < exists[i][None, :]).sum(1)  # [n]
+            steps = (rng.random((n, nb, 1)) < cond[i][None]).sum(-1)  # [n, B_max]
+            cells = (np.arange(d)[None, None, :] < steps[..., None]) & (np.arange(nb)[None, :, None] < blocks[:, None, None])
+            out[i] = self.intercept + self.alpha * m[i] + self.beta * blocks + (cells * K[i][None]).sum((1, 2))
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict (floats and nested lists) that `from_dict` reads back."""
         return {

@@ -8,8 +8,10 @@ blocks over the valid prompt tokens, then the mean over valid tokens and the las
 features, concatenated with the prompt-remainder feature (one-hot of P mod d: it fixes the
 first output block's capacity) and log(1 + P), through one SiLU layer. Heads, by
 ``cfg.predictor_head``:
-- "surface": ``continue_logits`` [B, B_max - 1] (block head: P(block b+1 exists | block b
-  exists)) and ``step_logits`` [B, B_max, d] (step head: a distribution over T_b in 1..d);
+- "surface": ``step_logits`` [B, B_max, d] (step head: a distribution over T_b in 1..d) and a
+  block head by ``cfg.predictor_block_head``: ``continue_logits`` [B, B_max - 1] (P(block b+1
+  exists | block b exists)) or ``length_logits`` [B, B_max * d] (a distribution over the
+  reply's length 1..B_max * d in tokens, from which the blocks follow);
 - "length" / "steps": one scalar ``value`` [B] (the scalar baselines on the same encoder).
 
 Sizes for the defaults (d_model 64, 2 layers, vocabulary 1k): about 0.2M parameters.
@@ -53,7 +55,8 @@ class WorkloadPredictor(nnx.Module):
         self.hidden = make_param(rngs, jax.nn.initializers.normal(stddev=n_in ** -0.5), (n_in, d), (None, "embed"),
                                  pdtype)
         self.hidden_bias = make_param(rngs, jax.nn.initializers.zeros, (d,), ("embed",), pdtype)
-        out = {"surface": (nb - 1) + nb * bs, "length": 1, "steps": 1}[cfg.predictor_head]
+        block_out = nb * bs if cfg.predictor_block_head == "length" else nb - 1
+        out = {"surface": block_out + nb * bs, "length": 1, "steps": 1}[cfg.predictor_head]
         self.head = make_param(rngs, jax.nn.initializers.normal(stddev=0.01), (d, out), ("embed", None), pdtype)
         self.head_bias = make_param(rngs, jax.nn.initializers.zeros, (out,), (None,), pdtype)
 
@@ -79,4 +82,7 @@ class WorkloadPredictor(nnx.Module):
         if cfg.predictor_head != "surface":
             return {"value": out[:, 0]}
         nb, bs = cfg.max_blocks, cfg.block_size
-        return {"continue_logits": out[:, :nb - 1], "step_logits": out[:, nb - 1:].reshape(b, nb, bs)}
+        steps = out[:, -nb * bs:].reshape(b, nb, bs)
+        if cfg.predictor_block_head == "length":
+            return {"length_logits": out[:, :nb * bs], "step_logits": steps}
+        return {"continue_logits": out[:, :nb - 1], "step_logits": steps}
