@@ -297,6 +297,7 @@ def _ensure_dws(workdir: str, quick: bool) -> tuple[str, str]:
     """(surface predictor dir, bench dws JSON) under <workdir>/dws, made by `bench dws` if missing."""
     dws_dir = os.path.join(workdir, "dws")
     report = os.path.join(workdir, "dws.json")
+
     def headline():  # the predictor of the report's "dws" row; else the newest surface predictor
         if not os.path.isfile(report):
             return None

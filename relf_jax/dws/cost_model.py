@@ -163,7 +163,8 @@ class CostModel:
         for i in range(m.shape[0]):
             blocks = (rng.random((n, 1)) < exists[i][None, :]).sum(1)  # [n]
             steps = (rng.random((n, nb, 1)) < cond[i][None]).sum(-1)  # [n, B_max]
-            cells = (np.arange(d)[None, None, :] < steps[..., None]) & (np.arange(nb)[None, :, None] < blocks[:, None, None])
+            cells = ((np.arange(d)[None, None, :] < steps[..., None])
+                     & (np.arange(nb)[None, :, None] < blocks[:, None, None]))  # [n, B_max, d]
             out[i] = self.intercept + self.alpha * m[i] + self.beta * blocks + (cells * K[i][None]).sum((1, 2))
         return out
 

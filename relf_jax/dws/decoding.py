@@ -73,9 +73,9 @@ def confidence_commit(logits: jax.Array, is_masked: jax.Array, threshold: float,
     commit every masked position whose confidence is > threshold; a row with masked positions
     but none above it commits its single most confident masked position. Greedy (temperature
     0): the token is the argmax and the confidence its probability. With temperature > 0 the
-    token is sampled from softmax(logits / T) (`sampling.processors.sample` with `key`) and the confidence is the
-    sampled token's probability under that distribution. `temperature` may be a traced scalar
-    (0 then means greedy, as above).
+    token is sampled from softmax(logits / T) (`sampling.processors.sample` with `key`) and the
+    confidence is the sampled token's probability under that distribution. `temperature` may
+    be a traced scalar (0 then means greedy, as above).
     """
     logits = logits.astype(jnp.float32)
     if not isinstance(temperature, (int, float)):  # traced (one value per request, e.g. a server slot)

@@ -35,7 +35,6 @@ from flax import nnx
 from relf_jax.config import Config, ModelConfig
 from relf_jax.train.loop import TrainResult, train
 
-
 # weight of the reply-length cross-entropy next to the curve / Brier losses when the block head
 # is "length" (the CE is a proper score for the whole length distribution; the Brier loss sees
 # it only through the block column). On 12,000 labels of `bench dws`'s 1,200-step model (64 x 2
