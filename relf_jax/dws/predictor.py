@@ -59,17 +59,22 @@ def max_reply_length(length: jax.Array, block_size: int, max_blocks: int) -> jax
     return first_block_capacity(length, block_size) + (max_blocks - 1) * block_size
 
 
+def length_log_probs(length_logits: jax.Array, length: jax.Array, block_size: int, max_blocks: int) -> jax.Array:
+    """log P(L = j + 1) [B, B_max * d] of the length block head, lengths past
+    `max_reply_length` excluded (-inf)."""
+    ell = jnp.arange(1, length_logits.shape[-1] + 1)
+    ok = ell[None, :] <= max_reply_length(length, block_size, max_blocks)[:, None]
+    return jax.nn.log_softmax(jnp.where(ok, length_logits.astype(jnp.float32), -jnp.inf), axis=-1)
+
+
 def length_block_probs(length_logits: jax.Array, length: jax.Array, block_size: int, max_blocks: int) -> jax.Array:
     """P(N >= b+1) [B, B_max] from a distribution over the reply's length L in 1..B_max * d tokens
     (logits [B, B_max * d], lengths past `max_reply_length` excluded): the reply needs block b+1
     (b >= 1) iff L > cap + (b - 1) * d, cap the first block's capacity."""
-    n_len = length_logits.shape[-1]
-    ell = jnp.arange(1, n_len + 1)
-    ok = ell[None, :] <= max_reply_length(length, block_size, max_blocks)[:, None]
-    probs = jax.nn.softmax(jnp.where(ok, length_logits.astype(jnp.float32), -jnp.inf), axis=-1)
+    probs = jnp.exp(length_log_probs(length_logits, length, block_size, max_blocks))
     tail = jnp.flip(jnp.cumsum(jnp.flip(probs, -1), axis=-1), -1)  # tail[:, j] = P(L >= j + 1)
     cap = first_block_capacity(length, block_size)
-    # P(L > x) = tail[:, x] for x = cap + (b - 1) * d, b = 1 .. B_max - 1 (x <= n_len - 1)
+    # P(L > x) = tail[:, x] for x = cap + (b - 1) * d, b = 1 .. B_max - 1 (x <= B_max * d - 1)
     x = cap[:, None] + (jnp.arange(1, max_blocks)[None, :] - 1) * block_size
     later = jnp.take_along_axis(tail, x, axis=1)
     return jnp.concatenate([jnp.ones_like(later[:, :1]), later], axis=1)
@@ -110,9 +115,7 @@ def _length_ce(model, out: dict, batch: dict) -> jax.Array:
     if "length_logits" not in out:
         return jnp.float32(0.0)
     cfg = model.cfg
-    ell = jnp.arange(1, out["length_logits"].shape[-1] + 1)
-    ok = ell[None, :] <= max_reply_length(batch["length"], cfg.block_size, cfg.max_blocks)[:, None]
-    logp = jax.nn.log_softmax(jnp.where(ok, out["length_logits"].astype(jnp.float32), -jnp.inf), axis=-1)
+    logp = length_log_probs(out["length_logits"], batch["length"], cfg.block_size, cfg.max_blocks)
     target = length_class(batch, cfg.block_size, cfg.max_blocks)
     return -jnp.mean(jnp.take_along_axis(logp, target[:, None], axis=1))
 
