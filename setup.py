@@ -24,6 +24,10 @@ CORE = [
     # relf-jax serve: the OpenAI-compatible HTTP server
     "fastapi>=0.110",
     "uvicorn>=0.29",
+    # uvicorn's C HTTP parser and event loop (else it falls back to pure-Python h11, slower per
+    # request: server overhead at batch 1 is one of `relf-jax bench serve`'s targets)
+    "httptools>=0.6",
+    "uvloop>=0.19; sys_platform != 'win32'",
     "httpx>=0.27",  # relf-jax bench serve's load generator
     "Jinja2>=3.1",  # chat templates given as Jinja2 files
 ]

@@ -74,6 +74,29 @@ def test_max_tokens_and_stop_strings():
     b.stop()
 
 
+def test_free_skips_the_device_update_only_for_slots_the_engine_stopped():
+    """`Engine.free(stopped=True)` only when the last step reported the slot done; a request that
+    the server ends (max_tokens, a stop string, a cancel) or that its prefill ended frees fully."""
+    eng = MockEngine(1)
+    calls = []
+    free = eng.free
+
+    def spy(state, slot, stopped=False):
+        calls.append(stopped)
+        return free(state, slot, stopped=stopped)
+
+    eng.free = spy
+    b = Batcher(eng).start()
+    for req, want in ((_req("abc"), True), (_req("abcdef", max_tokens=2), False),
+                      (_req("hello world", stop=("lo",)), False), (_req(""), False)):
+        s = Collect()
+        b.submit(req, s)
+        s.result()
+        assert calls[-1] is want, (req, calls)
+    b.stop()
+    assert len(calls) == 4
+
+
 def test_sjf_admits_the_cheapest_first_and_the_queue_is_bounded():
     eng = MockEngine(1, step_s=0.01)
     b = Batcher(eng, SJF(key="cost"), max_queue=3).start()

@@ -17,22 +17,37 @@ PROMPTS = [[2] + TOK.encode("<user> hello there <assistant>"), [2] + TOK.encode(
 
 
 def _run(engine, jobs, steps):
-    """jobs: (slot, prompt, params, insert_before_step). Returns slot -> tokens (prefill tokens first)."""
-    state = engine.init_state()
-    out = {}
-    for step in range(steps + 1):
-        for slot, prompt, params, at in jobs:
-            if at == step:
-                pre = engine.prefill(prompt, params)
-                state = engine.insert(pre, state, slot)
-                out[slot] = list(pre.tokens)
-        if step < steps:
-            state, res = engine.generate(state)
-            for slot in out:
-                out[slot] += res.tokens[slot]
-            free = [s for s in range(engine.num_slots) if s not in out]
-            assert all(res.tokens[s] == [] and not res.done[s] for s in free)
-    return out
+    """jobs: (slot, prompt, params, insert_before_step). Returns slot -> tokens (prefill tokens first).
+
+    Runs twice, with `prefill` + `insert` and with the fused `prefill_insert` (the batcher's
+    path), and checks both give the same tokens. A slot that reports done is freed as the
+    batcher frees it (``stopped=True``: no device update) and must emit nothing after."""
+    runs = []
+    for fused in (False, True):
+        state = engine.init_state()
+        out, stopped = {}, set()
+        for step in range(steps + 1):
+            for slot, prompt, params, at in jobs:
+                if at == step:
+                    if fused:
+                        state, pre = engine.prefill_insert(prompt, params, state, slot)
+                    else:
+                        pre = engine.prefill(prompt, params)
+                        state = engine.insert(pre, state, slot)
+                    out[slot] = list(pre.tokens)
+            if step < steps:
+                state, res = engine.generate(state)
+                for slot in out:
+                    assert slot not in stopped or (res.tokens[slot] == [] and not res.done[slot])
+                    out[slot] += res.tokens[slot]
+                    if res.done[slot] and slot not in stopped:
+                        state = engine.free(state, slot, stopped=True)
+                        stopped.add(slot)
+                free = [s for s in range(engine.num_slots) if s not in out]
+                assert all(res.tokens[s] == [] and not res.done[s] for s in free)
+        runs.append(out)
+    assert runs[0] == runs[1]
+    return runs[1]
 
 
 def test_mock_engine_echoes_the_last_user_turn():

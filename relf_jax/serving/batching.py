@@ -253,12 +253,11 @@ class Batcher:
                 slot = free[0]
                 self._slots[slot] = rid
                 live.slot = slot
-            prefix = self.engine.prefill(live.req.prompt, live.req.params)
-            self._state = self.engine.insert(prefix, self._state, slot)
+            self._state, prefix = self.engine.prefill_insert(live.req.prompt, live.req.params, self._state, slot)
             with self._lock:
                 live.model_s += prefix.model_s
                 self.stats.model_s += prefix.model_s
-                if self._take(live, prefix.tokens, prefix.done):
+                if self._take(live, prefix.tokens, prefix.done, from_step=False):
                     self._release(live)
 
     def _step(self) -> None:
@@ -282,14 +281,19 @@ class Batcher:
                 if self._take(live, out.tokens[slot], out.done[slot]):
                     self._release(live)
 
-    def _release(self, live: _Live) -> None:  # under the lock
+    def _release(self, live: _Live, stopped: bool = False) -> None:  # under the lock
+        """Free the request's slot; `stopped`: the engine reported the slot done (see `Engine.free`)."""
         if live.slot >= 0 and self._slots[live.slot] == live.req.id:
-            self._state = self.engine.free(self._state, live.slot)
+            self._state = self.engine.free(self._state, live.slot, stopped=stopped)
             self._slots[live.slot] = None
         live.slot = -1
 
-    def _take(self, live: _Live, tokens: Sequence[int], engine_done: bool) -> bool:  # under the lock
-        """Add new tokens to a request; send text; True when the request is finished."""
+    def _take(self, live: _Live, tokens: Sequence[int], engine_done: bool,
+              from_step: bool = True) -> bool:  # under the lock
+        """Add new tokens to a request; send text; True when the request is finished.
+
+        engine_done: the engine says the slot stopped; from_step: the tokens come from `generate`
+        (whose done flag is the device slot's own; a prefill's is not, see `Engine.free`)."""
         if live.finished:
             return True
         if tokens and not live.first_token:
@@ -326,15 +330,16 @@ class Batcher:
             live.sent += delta
             live.sink(Event(request_id=live.req.id, text=delta, token_ids=new_ids))
         if finish is not None:
-            self._finish(live, finish)
+            self._finish(live, finish, stopped=engine_done and from_step)
             return True
         return False
 
-    def _finish(self, live: _Live, reason: str, error: str | None = None) -> None:  # under the lock
+    def _finish(self, live: _Live, reason: str, error: str | None = None,
+                stopped: bool = False) -> None:  # under the lock
         if live.finished:
             return
         live.finished = True
-        self._release(live)
+        self._release(live, stopped)
         self._live.pop(live.req.id, None)
         self.stats.requests[reason] = self.stats.requests.get(reason, 0) + 1
         end = time.monotonic()

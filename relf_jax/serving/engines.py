@@ -107,13 +107,26 @@ class Engine(abc.ABC):
     def insert(self, prefix: Prefix, state: Any, slot: int) -> Any:
         """Put a prefilled request into `slot` of `state`; returns the new state."""
 
+    def prefill_insert(self, prompt: Sequence[int], params: RequestParams, state: Any,
+                       slot: int) -> tuple[Any, Prefix]:
+        """`prefill` then `insert` into `slot`: the batcher's path. An engine may fuse the two
+        into one jitted call (one dispatch and no eager set-up ops per request); its Prefix then
+        carries no data, and its model_s covers the fused call."""
+        prefix = self.prefill(prompt, params)
+        return self.insert(prefix, state, slot), prefix
+
     @abc.abstractmethod
     def generate(self, state: Any) -> tuple[Any, StepOutput]:
         """Advance every occupied slot by one step."""
 
     @abc.abstractmethod
-    def free(self, state: Any, slot: int) -> Any:
-        """Release `slot` (its request finished or was cancelled); returns the new state."""
+    def free(self, state: Any, slot: int, stopped: bool = False) -> Any:
+        """Release `slot` (its request finished or was cancelled); returns the new state.
+
+        stopped: the slot already stopped on the device (the last `generate` reported it done),
+        so only host bookkeeping is left; an engine may then skip the device update (one jitted
+        call saved per finished request). False is always correct.
+        """
 
     def reserve(self) -> int:
         """Context positions a request needs beyond prompt + max_tokens (speculative: k + 1)."""
@@ -140,8 +153,7 @@ class Engine(abc.ABC):
                 b *= 2
         for n in prompt_lengths:
             n = max(1, min(n, self.max_context - self.reserve() - 1))
-            prefix = self.prefill([bos] * n, RequestParams(max_tokens=1, temperature=0.0))
-            state = self.insert(prefix, state, 0)
+            state, _ = self.prefill_insert([bos] * n, RequestParams(max_tokens=1, temperature=0.0), state, 0)
         state, _ = self.generate(state)
         self.free(state, 0)
 
@@ -161,11 +173,15 @@ def _stack_slots(tree, n: int):
     return jax.tree.map(lambda x: jnp.broadcast_to(jnp.asarray(x)[None], (n,) + jnp.shape(x)).copy(), tree)
 
 
-def _first_token(st, prompt_len: int) -> tuple[int, bool]:
-    """The prefill's sampled token and done flag (batch of one), copied to the host whole (no
-    indexing op to dispatch)."""
-    tokens, done = jax.device_get((st.tokens, st.done))
-    return int(tokens[0, prompt_len]), bool(done[0])
+def _first_prefix(engine: Engine, params: RequestParams, t0: float, first, done, at: int | None = None,
+                  data=None) -> Prefix:
+    """The Prefix of a prefill that samples the first token (AR, speculative), `t0` its start.
+    `first` and `done` come to the host in one copy; `at`: `first` is the [1, S] token row and
+    the first token sits at `at` (indexed on the host: no indexing op to dispatch)."""
+    first, done = jax.device_get((first, done))
+    first, done = int(first[0, at] if at is not None else first), bool(np.reshape(done, -1)[0])
+    return Prefix(data=data, tokens=[first], done=done or first in engine.stop_ids,
+                  model_s=time.perf_counter() - t0, nucleus=params.top_p < 1)
 
 
 def _free_slots(engine: Engine, state):
@@ -270,6 +286,7 @@ class AREngine(Engine):
                                                 pad_id=lm.tokenizer.pad_id)
         self._jit_step = jax.jit(self._step_all, donate_argnums=(1,), static_argnames=("nucleus",))
         self._jit_insert = jax.jit(_set_slot, donate_argnums=(0,))
+        self._jit_prefill_insert = jax.jit(self._prefill_into, donate_argnums=(1,), static_argnames=("settings",))
         self._jit_free = jax.jit(lambda s, slot: dataclasses.replace(
             s, state=dataclasses.replace(s.state, done=s.state.done.at[slot].set(True))), donate_argnums=(0,))
 
@@ -284,24 +301,35 @@ class AREngine(Engine):
         return _free_slots(self, _Held(_stack_slots(self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data,
                                                     self.num_slots)))
 
-    def prefill(self, prompt, params):
-        ar = self._ar
+    def _padded(self, prompt):
         bucket = bucket_for(len(prompt), self.max_context - 1)
-        arr, lens = _pad_one(prompt, self.tokenizer.pad_id, bucket)
+        return (*_pad_one(prompt, self.tokenizer.pad_id, bucket), self._settings(bucket))
+
+    def prefill(self, prompt, params):
+        arr, lens, settings = self._padded(prompt)
         sampling = self._sampling(params)
         t0 = time.perf_counter()
-        st = ar.prefill(self.lm.graphdef, self.lm.params, arr, lens, jax.random.key(params.seed), sampling,
-                        self._settings(bucket))
-        first, done = _first_token(st, len(prompt))
-        model_s = time.perf_counter() - t0
-        return Prefix(data=_Slot(state=st, sampling=sampling), tokens=[first], done=done or first in self.stop_ids,
-                      model_s=model_s, nucleus=params.top_p < 1)
+        st = self._ar.prefill(self.lm.graphdef, self.lm.params, arr, lens, jax.random.key(params.seed), sampling,
+                              settings)
+        return _first_prefix(self, params, t0, st.tokens, st.done, len(prompt), data=_Slot(state=st, sampling=sampling))
 
     def insert(self, prefix, state, slot):
         return state.insert(self._jit_insert(state.slots, prefix.data, slot), slot, prefix.nucleus)
 
-    def free(self, state, slot):
-        return state.free(self._jit_free(state.slots, slot), slot)
+    def _prefill_into(self, params, slots, prompts, lengths, seed, sampling, slot, settings):
+        st = self._ar.prefill(self.lm.graphdef, params, prompts, lengths, jax.random.key(seed), sampling, settings)
+        return _set_slot(slots, _Slot(state=st, sampling=sampling), slot), st.tokens[0, lengths[0]], st.done[0]
+
+    def prefill_insert(self, prompt, params, state, slot):
+        arr, lens, settings = self._padded(prompt)
+        t0 = time.perf_counter()
+        slots, first, done = self._jit_prefill_insert(self.lm.params, state.slots, arr, lens, np.uint32(params.seed),
+                                                      self._sampling(params), slot, settings=settings)
+        prefix = _first_prefix(self, params, t0, first, done)
+        return state.insert(slots, slot, prefix.nucleus), prefix
+
+    def free(self, state, slot, stopped=False):
+        return state.free(state.slots if stopped else self._jit_free(state.slots, slot), slot)
 
     def _step_all(self, params, slots: _Slot, nucleus: bool):
         ar, settings = self._ar, self._step_settings
@@ -378,6 +406,7 @@ class SpeculativeEngine(Engine):
         self._step_settings = self._settings(self.max_context)
         self._jit_step = jax.jit(self._step_all, donate_argnums=(2,), static_argnames=("nucleus",))
         self._jit_insert = jax.jit(_set_slot, donate_argnums=(0,))
+        self._jit_prefill_insert = jax.jit(self._prefill_into, donate_argnums=(2,), static_argnames=("settings",))
         self._jit_free = jax.jit(lambda s, slot: dataclasses.replace(
             s, state=dataclasses.replace(s.state, done=s.state.done.at[slot].set(True))), donate_argnums=(0,))
 
@@ -400,24 +429,39 @@ class SpeculativeEngine(Engine):
         return _free_slots(self, _Held(_stack_slots(self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data,
                                                     self.num_slots)))
 
-    def prefill(self, prompt, params):
+    def _padded(self, prompt):
         bucket = bucket_for(len(prompt), self.max_context - self.reserve() - 1)
-        arr, lens = _pad_one(prompt, self.tokenizer.pad_id, bucket)
+        return (*_pad_one(prompt, self.tokenizer.pad_id, bucket), self._settings(self.max_context - bucket - self.k - 1))
+
+    def prefill(self, prompt, params):
+        arr, lens, settings = self._padded(prompt)
         dg, dp = self._draft_parts()
         sp = self._params(params)
         t0 = time.perf_counter()
         st = _spec_prefill(self.lm.graphdef, self.lm.params, dg, dp, arr, lens, jax.random.key(params.seed), sp,
-                           self._settings(self.max_context - bucket - self.k - 1))
-        first, done = _first_token(st, len(prompt))
-        model_s = time.perf_counter() - t0
-        return Prefix(data=_Slot(state=st, sampling=sp), tokens=[first], done=done or first in self.stop_ids,
-                      model_s=model_s, nucleus=params.top_p < 1)
+                           settings)
+        return _first_prefix(self, params, t0, st.tokens, st.done, len(prompt), data=_Slot(state=st, sampling=sp))
 
     def insert(self, prefix, state, slot):
         return state.insert(self._jit_insert(state.slots, prefix.data, slot), slot, prefix.nucleus)
 
-    def free(self, state, slot):
-        return state.free(self._jit_free(state.slots, slot), slot)
+    def _prefill_into(self, target_params, draft_params, slots, prompts, lengths, seed, sp, slot, settings):
+        dg = self.draft.graphdef if self.draft is not None else None
+        st = self._spec._prefill(self.lm.graphdef, target_params, dg, draft_params, prompts, lengths,
+                                 jax.random.key(seed), sp, settings)
+        return _set_slot(slots, _Slot(state=st, sampling=sp), slot), st.tokens[0, lengths[0]], st.done[0]
+
+    def prefill_insert(self, prompt, params, state, slot):
+        arr, lens, settings = self._padded(prompt)
+        t0 = time.perf_counter()
+        slots, first, done = self._jit_prefill_insert(self.lm.params, self._draft_parts()[1], state.slots, arr, lens,
+                                                      np.uint32(params.seed), self._params(params), slot,
+                                                      settings=settings)
+        prefix = _first_prefix(self, params, t0, first, done)
+        return state.insert(slots, slot, prefix.nucleus), prefix
+
+    def free(self, state, slot, stopped=False):
+        return state.free(state.slots if stopped else self._jit_free(state.slots, slot), slot)
 
     def _step_all(self, target_params, draft_params, slots: _Slot, nucleus: bool):
         spec, settings = self._spec, self._step_settings
@@ -503,6 +547,7 @@ class BlockDiffusionEngine(Engine):
                                                 threshold=threshold)
         self._jit_step = jax.jit(self._step_all, donate_argnums=(1,))
         self._jit_insert = jax.jit(_set_slot, donate_argnums=(0,))
+        self._jit_prefill_insert = jax.jit(self._prefill_into, donate_argnums=(1,))
         self._jit_free = jax.jit(lambda s, slot: s.replace(done=s.done.at[slot].set(True)), donate_argnums=(0,))
 
     def reserve(self) -> int:
@@ -513,10 +558,8 @@ class BlockDiffusionEngine(Engine):
                                               self.num_slots))
 
     def prefill(self, prompt, params):
-        bdd, d = self._bdd, self.block_size
-        pb = bucket_for(bdd.prompt_bucket(len(prompt), d), self.max_context - d)
-        pb = -(-pb // d) * d
-        arr, plen = bdd.pad_prompts([list(prompt)], self.tokenizer.pad_id, d, pb)
+        bdd = self._bdd
+        arr, plen = self._padded(prompt)
         t0 = time.perf_counter()
         cache = bdd._prefill_jit(self.lm.graphdef, self.lm.params, jnp.asarray(arr), jnp.asarray(plen),
                                  canvas_len=self.max_context, settings=self.settings)
@@ -530,8 +573,30 @@ class BlockDiffusionEngine(Engine):
     def insert(self, prefix, state, slot):
         return self._jit_insert(state, prefix.data, slot)
 
-    def free(self, state, slot):
-        return self._jit_free(state, slot)
+    def _padded(self, prompt):
+        bdd, d = self._bdd, self.block_size
+        pb = bucket_for(bdd.prompt_bucket(len(prompt), d), self.max_context - d)
+        return bdd.pad_prompts([list(prompt)], self.tokenizer.pad_id, d, -(-pb // d) * d)
+
+    def _prefill_into(self, params, slots, prompts, prompt_len, seed, temperature, slot):
+        bdd = self._bdd
+        cache = bdd._prefill_jit(self.lm.graphdef, params, prompts, prompt_len, canvas_len=self.max_context,
+                                 settings=self.settings)
+        data = _BDSlot(canvas=bdd._canvas(prompts, self.max_context, self.tokenizer.pad_id), cache=cache,
+                       prompt_len=prompt_len, blocks=jnp.int32(0), done=jnp.zeros((1,), bool),
+                       key=jax.random.key_data(jax.random.key(seed)), temperature=temperature)
+        return _set_slot(slots, data, slot)
+
+    def prefill_insert(self, prompt, params, state, slot):
+        arr, plen = self._padded(prompt)
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(self._jit_prefill_insert(self.lm.params, state, arr, plen,
+                                                               np.uint32(params.seed),
+                                                               np.float32(params.temperature), slot))
+        return state, Prefix(data=None, tokens=[], done=False, model_s=time.perf_counter() - t0)
+
+    def free(self, state, slot, stopped=False):
+        return state if stopped else self._jit_free(state, slot)
 
     def _step_all(self, params, slots: _BDSlot):
         bdd, settings, d = self._bdd, self.settings, self.block_size
@@ -618,6 +683,7 @@ class ReLFEngine(Engine):
         self.tokens_per_step = self.length
         self._jit_step = jax.jit(self._step_all, donate_argnums=(1,))
         self._jit_insert = jax.jit(_set_slot, donate_argnums=(0,))
+        self._jit_prefill_insert = jax.jit(self._prefill_into, donate_argnums=(0,))
         self._jit_free = jax.jit(lambda s, slot: s.replace(active=s.active.at[slot].set(False)),
                                  donate_argnums=(0,))
 
@@ -625,18 +691,31 @@ class ReLFEngine(Engine):
         one = self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data
         return _stack_slots(one.replace(active=jnp.bool_(False)), self.num_slots)
 
-    def prefill(self, prompt, params):
+    def _row(self, prompt):
         row = np.full((self.length,), self.tokenizer.pad_id, np.int32)
         row[:len(prompt)] = prompt
-        data = _FlowSlot(tokens=jnp.asarray(row), prompt_len=jnp.int32(len(prompt)), key=_key_data(params.seed),
-                         active=jnp.bool_(True))
+        return row
+
+    def prefill(self, prompt, params):
+        data = _FlowSlot(tokens=jnp.asarray(self._row(prompt)), prompt_len=jnp.int32(len(prompt)),
+                         key=_key_data(params.seed), active=jnp.bool_(True))
         return Prefix(data=data, tokens=[], done=False)
 
     def insert(self, prefix, state, slot):
         return self._jit_insert(state, prefix.data, slot)
 
-    def free(self, state, slot):
-        return self._jit_free(state, slot)
+    @staticmethod
+    def _prefill_into(slots, row, prompt_len, seed, slot):
+        data = _FlowSlot(tokens=row, prompt_len=prompt_len, key=jax.random.key_data(jax.random.key(seed)),
+                         active=jnp.bool_(True))
+        return _set_slot(slots, data, slot)
+
+    def prefill_insert(self, prompt, params, state, slot):  # no model call: the whole reply is one step
+        return (self._jit_prefill_insert(state, self._row(prompt), np.int32(len(prompt)), np.uint32(params.seed),
+                                         slot), Prefix(data=None, tokens=[], done=False))
+
+    def free(self, state, slot, stopped=False):
+        return state if stopped else self._jit_free(state, slot)
 
     def _step_all(self, params, slots: _FlowSlot):
         from relf_jax.flow.samplers import sample as flow_sample
@@ -757,7 +836,7 @@ class MockEngine(Engine):
         state[slot] = list(prefix.data)
         return state
 
-    def free(self, state, slot):
+    def free(self, state, slot, stopped=False):
         state = list(state)
         state[slot] = None
         return state

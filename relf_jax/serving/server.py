@@ -349,25 +349,35 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
             return f"data: {json.dumps(obj)}\n\n"
 
         async def sse():
+            # Events that are ready together go out in one write: the role chunk with the first
+            # text, the last text with the finish chunk, usage and [DONE] (each write wakes the
+            # client and crosses the ASGI stack; at batch 1 that is server overhead).
+            pending = [chunk("", None, first=True)] if chat else []
             try:
-                if chat:
-                    yield chunk("", None, first=True)
                 while True:
                     ev = await events.get()
-                    if ev.text:
-                        yield chunk(ev.text, None)
+                    while True:  # and every event already queued behind it
+                        if ev.text:
+                            pending.append(chunk(ev.text, None))
+                        if ev.finish_reason is not None or events.empty():
+                            break
+                        ev = events.get_nowait()
                     if ev.finish_reason is not None:
                         break
+                    if pending:
+                        yield "".join(pending)
+                        pending = []
                 if ev.finish_reason in ("error", "cancelled"):
                     err = _error_body(ev.error or "the request was cancelled", "server_error")
-                    yield f"data: {json.dumps(err)}\n\n"
+                    pending.append(f"data: {json.dumps(err)}\n\n")
                 else:
-                    yield chunk(None if chat else "", reason(ev))
+                    pending.append(chunk(None if chat else "", reason(ev)))
                     if include_usage:
                         obj = {"id": oid, "object": chunk_kind, "created": created, "model": model,
                                "choices": [], "usage": usage_of(ev)}
-                        yield f"data: {json.dumps(obj)}\n\n"
-                yield "data: [DONE]\n\n"
+                        pending.append(f"data: {json.dumps(obj)}\n\n")
+                pending.append("data: [DONE]\n\n")
+                yield "".join(pending)
             finally:  # the client went away (or we are done): free the slot now
                 served.batcher.cancel(rid)
 
