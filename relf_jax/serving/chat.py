@@ -21,6 +21,7 @@ and ``add_generation_prompt=True``, as HuggingFace chat templates are).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import queue
@@ -67,6 +68,14 @@ def check_messages(messages: Any) -> list[dict]:
     return out
 
 
+@functools.lru_cache(maxsize=16)
+def _jinja(source: str):
+    """A Jinja2 chat template compiled once (compiling it per request costs more than rendering)."""
+    import jinja2
+
+    return jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(source)
+
+
 @dataclasses.dataclass(frozen=True)
 class ChatTemplate:
     """Marker template: ``<user> text <assistant> text ... <assistant>``.
@@ -86,9 +95,8 @@ class ChatTemplate:
         if self.jinja:
             import jinja2
 
-            env = jinja2.Environment(undefined=jinja2.StrictUndefined)
             try:
-                return env.from_string(self.jinja).render(messages=messages, add_generation_prompt=True)
+                return _jinja(self.jinja).render(messages=messages, add_generation_prompt=True)
             except jinja2.TemplateError as e:
                 raise UserError(f"the chat template failed: {e}") from e
         parts = []

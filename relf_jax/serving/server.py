@@ -163,6 +163,28 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
     if not models:
         raise UserError("the server needs at least one model")
 
+    class EventStream(StreamingResponse):
+        """A server-sent event stream over `events`, the asyncio queue its request's batcher
+        feeds. A client disconnect puts None into that queue (one watcher task per stream), so
+        the stream ends and frees its slot at once; Starlette's own streaming response watches
+        with a task group per response, measurably slower per request at batch 1."""
+
+        def __init__(self, content, events: asyncio.Queue, **kw):
+            super().__init__(content, **kw)
+            self.events = events
+
+        async def __call__(self, scope, receive, send):
+            async def watch():
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                self.events.put_nowait(None)
+
+            watcher = asyncio.ensure_future(watch())
+            try:
+                await self.stream_response(send)
+            finally:
+                watcher.cancel()
+
     class Message(BaseModel):
         model_config = ConfigDict(extra="allow")
         role: Literal["system", "user", "assistant"]
@@ -356,12 +378,14 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
             try:
                 while True:
                     ev = await events.get()
-                    while True:  # and every event already queued behind it
+                    while ev is not None:  # and every event already queued behind it
                         if ev.text:
                             pending.append(chunk(ev.text, None))
                         if ev.finish_reason is not None or events.empty():
                             break
                         ev = events.get_nowait()
+                    if ev is None:  # the client went away (`EventStream`)
+                        return
                     if ev.finish_reason is not None:
                         break
                     if pending:
@@ -381,8 +405,8 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
             finally:  # the client went away (or we are done): free the slot now
                 served.batcher.cancel(rid)
 
-        return StreamingResponse(sse(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return EventStream(sse(), events, media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
