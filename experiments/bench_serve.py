@@ -53,7 +53,7 @@ class ServeBenchSizes:
     k: int = 4
     max_tokens: int = 64
     temperature: float = 1.0
-    batch1_requests: int = 24
+    batch1_requests: int = 48
     dws_requests: int = 400
     dws_loads: tuple[float, ...] = (0.9, 1.2)
     dws_max_tokens: int = 96

@@ -139,3 +139,25 @@ def test_length_ce_term():
     assert float(pr.brier_loss(model, batch, jax.random.key(0), length_weight=0.0)[0]) == pytest.approx(brier, rel=1e-5)
     cont = build_model(pr.predictor_config(V, D, NB, "surface", d_model=16, num_layers=1, max_len=8), nnx.Rngs(0))
     assert float(pr.brier_loss(cont, batch, jax.random.key(0))[1]["length_ce"]) == 0.0
+
+
+def test_workload_cost_scores_a_batch_as_one_by_one():
+    """`WorkloadCost.batch` (the serving batcher's call for requests queued together) gives each
+    prompt the cost `__call__` gives it alone: padding rows and chunks change nothing."""
+    from relf_jax.checkpoint import LoadedModel
+    from relf_jax.dws.cost_model import CostModel
+    from relf_jax.serving.engines import ByteTokenizer
+
+    mcfg = pr.predictor_config(V, D, NB, "surface", d_model=16, num_layers=1, max_len=8)
+    graphdef, params = nnx.split(build_model(mcfg, nnx.Rngs(0)))
+    lm = LoadedModel(cfg=make_config("tiny"), model_cfg=mcfg, graphdef=graphdef, params=params,
+                     tokenizer=ByteTokenizer(), step=0)
+    W = np.random.default_rng(0).uniform(0.5, 2.0, size=(NB, D))
+    cost = pr.WorkloadCost(lm, CostModel(alpha=0.1, beta=0.2, delta=0.01, m_mean=1.0, W=W))
+    rng = np.random.default_rng(1)
+    prompts = [[2] + rng.integers(4, V, size=n).tolist() for n in rng.integers(0, 12, size=19)]  # > 16: two chunks
+    alone = [cost(p) for p in prompts]
+    together = cost.batch(prompts)
+    assert [a["prompt_len"] for a in alone] == [t["prompt_len"] for t in together]
+    np.testing.assert_allclose([t["dws_cost"] for t in together], [a["dws_cost"] for a in alone], rtol=1e-5)
+    assert len({round(a["dws_cost"], 6) for a in alone}) > 5  # the prompts do get different costs

@@ -274,14 +274,30 @@ class WorkloadCost:
         self.model = cost_model if isinstance(cost_model, CostModel) else CostModel.from_dict(cost_model)
         self.max_len = self.lm.model_cfg.max_seq_len
         self._fn = jax.jit(functools.partial(_forward, self.lm.graphdef))
-        self(np.asarray([self.lm.tokenizer.bos_id]))  # compile now, not on the first request
+        for b in self.BATCHES:  # compile now, not on the first requests
+            self.batch([[self.lm.tokenizer.bos_id]] * b)
+
+    # row counts one call pads to (each compiled once); longer lists go in chunks of the largest
+    BATCHES = (1, 2, 4, 8, 16)
 
     def __call__(self, prompt: Sequence[int]) -> dict[str, float]:
         """``{"dws_cost": seconds, "prompt_len": tokens}`` for one prompt (token ids, BOS first)."""
-        cut = list(prompt)[-self.max_len:]
-        arr = np.zeros((1, self.max_len), np.int32)
-        arr[0, :len(cut)] = cut
-        length = np.asarray([len(prompt)], np.int32)
-        surface = np.asarray(self._fn(self.lm.params, jnp.asarray(arr), jnp.asarray(length)))
-        cost = float(self.model.predict(length / self.lm.model_cfg.block_size, surface)[0])
-        return {"dws_cost": cost, "prompt_len": float(len(prompt))}
+        return self.batch([prompt])[0]
+
+    def batch(self, prompts: Sequence[Sequence[int]]) -> list[dict[str, float]]:
+        """`__call__` for several prompts in one predictor call (per `BATCHES` chunk): the
+        serving batcher scores the requests that queue up together (`relf_jax.serving.batching`)."""
+        out = []
+        for i in range(0, len(prompts), self.BATCHES[-1]):
+            chunk = prompts[i:i + self.BATCHES[-1]]
+            rows = next(b for b in self.BATCHES if b >= len(chunk))
+            arr = np.zeros((rows, self.max_len), np.int32)
+            length = np.ones((rows,), np.int32)  # padding rows: one token, discarded
+            for j, prompt in enumerate(chunk):
+                cut = list(prompt)[-self.max_len:]
+                arr[j, :len(cut)] = cut
+                length[j] = len(prompt)
+            surface = np.asarray(self._fn(self.lm.params, arr, length))[:len(chunk)]
+            cost = self.model.predict(length[:len(chunk)] / self.lm.model_cfg.block_size, surface)
+            out += [{"dws_cost": float(c), "prompt_len": float(len(p))} for c, p in zip(cost, chunk)]
+        return out
