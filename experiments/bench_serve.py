@@ -20,9 +20,13 @@ Three comparisons, each side by side in one run:
 3. **FCFS vs SJF-DWS** on the block-diffusion engine with one slot (a non-preemptive server,
    where the discrete-event simulator is exact), both policies in one server process: every
    prompt is first timed alone (batch 1), then the same Poisson stream is served under each
-   policy, twice, in the order FCFS, SJF, SJF, FCFS, at loads around and above saturation; the measured FCFS / SJF mean-latency ratio is reported next to the simulator's
-   prediction from the batch-1 times (`relf_jax.serving.simulator`). SJF ranks by the DWS
-   predictor's cost (`relf_jax.dws.predictor.WorkloadCost`, from ``relf-jax bench dws``).
+   policy, twice, in the order FCFS, SJF, SJF, FCFS, at loads around and above saturation;
+   the measured FCFS / SJF mean-latency ratio is reported next to the simulator's prediction
+   from the batch-1 times (`relf_jax.serving.simulator`). Loads are fractions of the
+   server's capacity, measured with every request sent at once; the simulator's service times
+   are the batch-1 times scaled to that capacity. SJF ranks by the DWS predictor's cost
+   (`relf_jax.dws.predictor.WorkloadCost`, from ``relf-jax bench dws``), scored lazily by the
+   batcher (`relf_jax.serving.batching`).
 """
 
 from __future__ import annotations
@@ -413,8 +417,21 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
             service = np.asarray([r["e2e"] for r in cal["records"]])
             first = np.asarray([min(r["ttft"] or r["e2e"], r["e2e"]) for r in cal["records"]])
             result["dws_batch1"] = {k: v for k, v in cal.items() if k != "records"}
+            # the server's capacity: every request at once, FCFS. A batch-1 time holds client,
+            # HTTP and loopback time that overlaps other requests' model steps under load, so
+            # loads are fractions of the measured capacity, and the simulator replays the batch-1
+            # times scaled to it (the same load on both sides)
+            burst = _run_load(url, _bodies(dws_prompts, "fcfs", max_tokens=sz.dws_max_tokens, temperature=0.0,
+                                           seed=sz.seed), [0.0] * len(dws_prompts))
+            capacity = len(dws_prompts) / burst["wall_s"]
+            scale = 1.0 / (capacity * float(np.mean(service)))
+            service, first = service * scale, first * scale
+            calibration = {"capacity_rps": capacity, "service_scale": scale,
+                           "batch1_rps": 1.0 / float(np.mean(service / scale)),
+                           "burst": summarize_run(burst["records"], burst["wall_s"])}
+            print(f"[bench serve] bd capacity {capacity:.1f} req/s (batch-1 times x {scale:.2f})", flush=True)
             for load in sz.dws_loads:
-                rate = load / float(np.mean(service))
+                rate = load * capacity
                 arrivals = poisson_arrivals(rate, len(dws_prompts), sz.seed + 11)
                 entry = loads.setdefault(f"{load:g}", {"rate_rps": rate, "arrivals": arrivals})
                 runs = {"fcfs": [], "sjf": []}
@@ -430,6 +447,9 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
                                                   sum(res["wall_s"] for res in reps))
                     entry[policy]["rep_e2e_means"] = [summarize_run(res["records"], res["wall_s"])["e2e_mean"]
                                                       for res in reps]
+            # the SJF model's lazy cost predictor over all its runs
+            scoring = {name: srv.metric(f"relf_{name}_total")
+                       for name in ("scored_requests", "score_calls", "score_seconds")}
         for load, entry in loads.items():
             arrivals = entry.pop("arrivals")
             sim = {name: simulate(arrivals, service, first, {"dws_cost": predicted}, pol)
@@ -437,7 +457,8 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
             entry["simulated"] = {name: summarize(r.latency) for name, r in sim.items()}
             entry["ratio_fcfs_over_sjf_measured"] = entry["fcfs"]["e2e_mean"] / entry["sjf"]["e2e_mean"]
             entry["ratio_fcfs_over_sjf_simulated"] = sim["fcfs"].latency.mean() / sim["sjf"].latency.mean()
-        result["dws"] = {"predictor": predictor_dir, "cost_model_from": dws_report, "aging": aging, "loads": loads}
+        result["dws"] = {"predictor": predictor_dir, "cost_model_from": dws_report, "aging": aging,
+                         "calibration": calibration, "sjf_scoring": scoring, "loads": loads}
     result["wall_s"] = time.perf_counter() - t_start
     workflows.write_json(out, result)
     summary = {k: v for k, v in result.items() if k.endswith("_over_ar_tokens_per_s")}

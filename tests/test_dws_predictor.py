@@ -148,16 +148,25 @@ def test_workload_cost_scores_a_batch_as_one_by_one():
     from relf_jax.dws.cost_model import CostModel
     from relf_jax.serving.engines import ByteTokenizer
 
-    mcfg = pr.predictor_config(V, D, NB, "surface", d_model=16, num_layers=1, max_len=8)
+    mcfg = pr.predictor_config(V, D, NB, "surface", d_model=16, num_layers=1, max_len=40)
     graphdef, params = nnx.split(build_model(mcfg, nnx.Rngs(0)))
     lm = LoadedModel(cfg=make_config("tiny"), model_cfg=mcfg, graphdef=graphdef, params=params,
                      tokenizer=ByteTokenizer(), step=0)
     W = np.random.default_rng(0).uniform(0.5, 2.0, size=(NB, D))
     cost = pr.WorkloadCost(lm, CostModel(alpha=0.1, beta=0.2, delta=0.01, m_mean=1.0, W=W))
+    assert cost.widths == (16, 32, 40)
     rng = np.random.default_rng(1)
-    prompts = [[2] + rng.integers(4, V, size=n).tolist() for n in rng.integers(0, 12, size=19)]  # > 16: two chunks
+    # widths 16, 32 and 40 (prompts past max_len keep their last 40 tokens); > 16 prompts: two chunks
+    prompts = [[2] + rng.integers(4, V, size=n).tolist() for n in rng.integers(0, 50, size=19)]
     alone = [cost(p) for p in prompts]
     together = cost.batch(prompts)
+    # and what one call at the full width max_len gives (the width is padding the encoder masks)
+    p = prompts[0]
+    arr = np.zeros((1, 40), np.int32)
+    arr[0, :len(p[-40:])] = p[-40:]
+    surface = pr.predict(lm.graphdef, lm.params, arr, np.asarray([len(p)], np.int32))
+    want = cost.model.predict(np.asarray([len(p) / D]), surface)[0]
+    np.testing.assert_allclose(alone[0]["dws_cost"], want, rtol=1e-5)
     assert [a["prompt_len"] for a in alone] == [t["prompt_len"] for t in together]
     np.testing.assert_allclose([t["dws_cost"] for t in together], [a["dws_cost"] for a in alone], rtol=1e-5)
     assert len({round(a["dws_cost"], 6) for a in alone}) > 5  # the prompts do get different costs

@@ -274,11 +274,15 @@ class WorkloadCost:
         self.model = cost_model if isinstance(cost_model, CostModel) else CostModel.from_dict(cost_model)
         self.max_len = self.lm.model_cfg.max_seq_len
         self._fn = jax.jit(functools.partial(_forward, self.lm.graphdef))
-        for b in self.BATCHES:  # compile now, not on the first requests
-            self.batch([[self.lm.tokenizer.bos_id]] * b)
+        # prompt widths one call pads to: powers of two from 16, then max_len (the encoder masks
+        # padding, so the width changes no prediction; a narrower call costs less)
+        self.widths = tuple(w for w in (16, 32, 64, 128, 256, 512) if w < self.max_len) + (self.max_len,)
+        for b in self.BATCHES:  # compile every shape now, not on the first requests
+            for w in self.widths:
+                self.batch([[self.lm.tokenizer.bos_id] * w] * b)
 
     # row counts one call pads to (each compiled once); longer lists go in chunks of the largest
-    BATCHES = (1, 2, 4, 8, 16)
+    BATCHES = (1, 4, 16)
 
     def __call__(self, prompt: Sequence[int]) -> dict[str, float]:
         """``{"dws_cost": seconds, "prompt_len": tokens}`` for one prompt (token ids, BOS first)."""
@@ -291,10 +295,11 @@ class WorkloadCost:
         for i in range(0, len(prompts), self.BATCHES[-1]):
             chunk = prompts[i:i + self.BATCHES[-1]]
             rows = next(b for b in self.BATCHES if b >= len(chunk))
-            arr = np.zeros((rows, self.max_len), np.int32)
+            width = next(w for w in self.widths if w >= min(max(len(p) for p in chunk), self.max_len))
+            arr = np.zeros((rows, width), np.int32)
             length = np.ones((rows,), np.int32)  # padding rows: one token, discarded
             for j, prompt in enumerate(chunk):
-                cut = list(prompt)[-self.max_len:]
+                cut = list(prompt)[-width:]
                 arr[j, :len(cut)] = cut
                 length[j] = len(prompt)
             surface = np.asarray(self._fn(self.lm.params, arr, length))[:len(chunk)]
