@@ -18,15 +18,16 @@ Three comparisons, each side by side in one run:
    client-measured end-to-end time that was not spent in engine prefill/steps (the server's
    ``relf_model_seconds_total`` counter, read from /metrics before and after).
 3. **FCFS vs SJF-DWS** on the block-diffusion engine with one slot (a non-preemptive server,
-   where the discrete-event simulator is exact), both policies in one server process: every
-   prompt is first timed alone (batch 1), then the same Poisson stream is served under each
-   policy, twice, in the order FCFS, SJF, SJF, FCFS, at loads around and above saturation;
-   the measured FCFS / SJF mean-latency ratio is reported next to the simulator's prediction
-   from the batch-1 times (`relf_jax.serving.simulator`). Loads are fractions of the
-   server's capacity, measured with every request sent at once; the simulator's service times
-   are the batch-1 times scaled to that capacity. SJF ranks by the DWS predictor's cost
-   (`relf_jax.dws.predictor.WorkloadCost`, from ``relf-jax bench dws``), scored lazily by the
-   batcher (`relf_jax.serving.batching`).
+   where the discrete-event simulator is exact), both policies in one server process, each
+   its own engine: every prompt is first timed alone (batch 1), then one Poisson stream is
+   served by both policies at once (each request goes to both at the same moment: a paired
+   comparison under the same machine noise), `dws_reps` times, at loads around and above
+   saturation; the measured FCFS / SJF mean-latency ratio is reported next to the
+   simulator's prediction from the batch-1 times (`relf_jax.serving.simulator`). Loads are
+   fractions of each policy's capacity with both running, measured in a run at twice that
+   (the batch-1 rate); the simulator's service times are the batch-1 times scaled to it. SJF ranks by the DWS predictor's cost
+   (`relf_jax.dws.predictor.WorkloadCost`, from ``relf-jax bench dws``), scored as each
+   request arrives (`relf_jax.serving.batching`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class ServeBenchSizes:
     batch1_requests: int = 48
     dws_requests: int = 400
     dws_loads: tuple[float, ...] = (0.9, 1.2)
+    dws_reps: int = 3  # runs per load (each drives both policies at once)
     dws_max_tokens: int = 96
     dws_aging_horizon: float = 100.0  # in mean predicted costs: one size spread gained per this many
     seed: int = 0
@@ -71,7 +73,7 @@ SPEC_ENGINES = (("ar", ["--generator", "ar"]),
                 ("nsd_lookup", ["--generator", "nsd", "--proposer", "prompt_lookup"]))
 
 QUICK = ServeBenchSizes(preset="tiny", requests=48, rate_factors=(1.0, 8.0), batch1_requests=8, dws_requests=48,
-                        dws_loads=(1.2,), max_tokens=32, dws_max_tokens=48)
+                        dws_loads=(1.2,), dws_reps=1, max_tokens=32, dws_max_tokens=48)
 
 
 # ----------------------------------------------------------------------------- load generator
@@ -400,14 +402,32 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
         cost = WorkloadCost(workflows.load_model(predictor_dir, "dws"), dws_report)
         bd_tok = workflows.load_model(bd_dir, "bd").tokenizer
         dws_prompts = prompts[:sz.dws_requests]
-        predicted = np.asarray([cost([bd_tok.bos_id] + bd_tok.encode(p.text))["dws_cost"] for p in dws_prompts])
-        # one server process holds both policies (model ids "fcfs" and "sjf", each its own engine and
-        # queue; only one is driven at a time), and the runs alternate ABBA: process-to-process and
-        # drift noise of this machine then hits both policies alike
+        predicted = np.asarray([c["dws_cost"] for c in cost.batch([[bd_tok.bos_id] + bd_tok.encode(p.text)
+                                                                   for p in dws_prompts])])
+        # one server process holds both policies (model ids "fcfs" and "sjf", each its own engine,
+        # queue and batcher thread), and every run drives both at once with the same stream: each
+        # request is sent to both at the same moment, so the two policies share the machine's
+        # noise (its speed drifts by several per cent from run to run, and near saturation the
+        # mean latency moves far more than that), and the ratio is a paired measurement
         aging = aging_for(predicted, sz.dws_aging_horizon * float(np.mean(predicted)))
         spec = {"workdir": bd_dir, "predictor": predictor_dir, "cost_model": dws_report, "aging": aging,
                 "max_queue": 4 * sz.dws_requests}
         loads = {}
+
+        def both(arrivals):
+            """One load on both policies at once; returns {policy: (records, wall)}. Which of a
+            pair is sent first alternates."""
+            bodies = {p: _bodies(dws_prompts, p, max_tokens=sz.dws_max_tokens, temperature=0.0, seed=sz.seed)
+                      for p in ("fcfs", "sjf")}
+            order = [(("fcfs", "sjf") if i % 2 == 0 else ("sjf", "fcfs")) for i in range(len(dws_prompts))]
+            flat = [(p, i) for i, pair in enumerate(order) for p in pair]
+            res = _run_load(url, [bodies[p][i] for p, i in flat], [float(arrivals[i]) for _, i in flat])
+            out = {}
+            for p in ("fcfs", "sjf"):
+                recs = [r for (q, _), r in zip(flat, res["records"]) if q == p]
+                out[p] = (recs, max(r["arrival"] + (r["e2e"] or 0.0) for r in recs))
+            return out
+
         print("[bench serve] bd engine, fcfs + sjf: starting the server", flush=True)
         with ServerProcess([], os.path.join(logs, "serve_bd.log"), child_spec=spec) as srv:
             url = f"{srv.base}/v1/chat/completions"
@@ -417,39 +437,37 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
             service = np.asarray([r["e2e"] for r in cal["records"]])
             first = np.asarray([min(r["ttft"] or r["e2e"], r["e2e"]) for r in cal["records"]])
             result["dws_batch1"] = {k: v for k, v in cal.items() if k != "records"}
-            # the server's capacity: every request at once, FCFS. A batch-1 time holds client,
-            # HTTP and loopback time that overlaps other requests' model steps under load, so
-            # loads are fractions of the measured capacity, and the simulator replays the batch-1
-            # times scaled to it (the same load on both sides)
-            burst = _run_load(url, _bodies(dws_prompts, "fcfs", max_tokens=sz.dws_max_tokens, temperature=0.0,
-                                           seed=sz.seed), [0.0] * len(dws_prompts))
-            capacity = len(dws_prompts) / burst["wall_s"]
+            # each policy's capacity while both run, from a run that overloads both: the batch-1
+            # rate, where each gets about half the machine (a burst of every request at once
+            # instead measures the HTTP front end, not the steady state). A batch-1 time holds
+            # client, HTTP and loopback time that overlaps model steps under load, and the two
+            # engines share the CPU, so loads are fractions of this capacity and the simulator
+            # replays the batch-1 times scaled to it (the same load on both sides)
+            batch1_rps = 1.0 / float(np.mean(service))
+            over = both(poisson_arrivals(batch1_rps, len(dws_prompts), sz.seed + 5))
+            capacity = len(dws_prompts) / max(wall for _, wall in over.values())
             scale = 1.0 / (capacity * float(np.mean(service)))
             service, first = service * scale, first * scale
-            calibration = {"capacity_rps": capacity, "service_scale": scale,
-                           "batch1_rps": 1.0 / float(np.mean(service / scale)),
-                           "burst": summarize_run(burst["records"], burst["wall_s"])}
-            print(f"[bench serve] bd capacity {capacity:.1f} req/s (batch-1 times x {scale:.2f})", flush=True)
+            calibration = {"capacity_rps": capacity, "service_scale": scale, "batch1_rps": batch1_rps,
+                           "overload_run": {p: summarize_run(recs, wall) for p, (recs, wall) in over.items()}}
+            print(f"[bench serve] bd capacity {capacity:.1f} req/s per policy with both running "
+                  f"(batch-1 times x {scale:.2f})", flush=True)
             for load in sz.dws_loads:
                 rate = load * capacity
                 arrivals = poisson_arrivals(rate, len(dws_prompts), sz.seed + 11)
                 entry = loads.setdefault(f"{load:g}", {"rate_rps": rate, "arrivals": arrivals})
-                runs = {"fcfs": [], "sjf": []}
-                for policy in ("fcfs", "sjf", "sjf", "fcfs"):
-                    bodies = _bodies(dws_prompts, policy, max_tokens=sz.dws_max_tokens, temperature=0.0, seed=sz.seed)
-                    res = _run_load(url, bodies, arrivals)
-                    runs[policy].append(res)
-                    one = summarize_run(res["records"], res["wall_s"])
-                    print(f"[bench serve] bd {policy} load {load:g}: mean e2e {one['e2e_mean']:.3f} s, "
-                          f"wall {one['wall_s']:.1f} s, errors {one['errors']}", flush=True)
-                for policy, reps in runs.items():
-                    entry[policy] = summarize_run([r for res in reps for r in res["records"]],
-                                                  sum(res["wall_s"] for res in reps))
-                    entry[policy]["rep_e2e_means"] = [summarize_run(res["records"], res["wall_s"])["e2e_mean"]
-                                                      for res in reps]
-            # the SJF model's lazy cost predictor over all its runs
-            scoring = {name: srv.metric(f"relf_{name}_total")
-                       for name in ("scored_requests", "score_calls", "score_seconds")}
+                reps = [both(arrivals) for _ in range(sz.dws_reps)]
+                for policy in ("fcfs", "sjf"):
+                    runs = [summarize_run(*rep[policy]) for rep in reps]
+                    entry[policy] = summarize_run([r for rep in reps for r in rep[policy][0]],
+                                                  sum(rep[policy][1] for rep in reps))
+                    entry[policy]["rep_e2e_means"] = [r["e2e_mean"] for r in runs]
+                entry["rep_ratios"] = [f / s for f, s in zip(entry["fcfs"]["rep_e2e_means"],
+                                                             entry["sjf"]["rep_e2e_means"])]
+                print(f"[bench serve] bd load {load:g} ({rate:.1f} req/s): mean e2e fcfs "
+                      f"{entry['fcfs']['e2e_mean']:.3f} s, sjf {entry['sjf']['e2e_mean']:.3f} s, per run "
+                      f"FCFS/SJF {', '.join(f'{x:.2f}' for x in entry['rep_ratios'])}, errors "
+                      f"{entry['fcfs']['errors'] + entry['sjf']['errors']}", flush=True)
         for load, entry in loads.items():
             arrivals = entry.pop("arrivals")
             sim = {name: simulate(arrivals, service, first, {"dws_cost": predicted}, pol)
@@ -458,7 +476,7 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
             entry["ratio_fcfs_over_sjf_measured"] = entry["fcfs"]["e2e_mean"] / entry["sjf"]["e2e_mean"]
             entry["ratio_fcfs_over_sjf_simulated"] = sim["fcfs"].latency.mean() / sim["sjf"].latency.mean()
         result["dws"] = {"predictor": predictor_dir, "cost_model_from": dws_report, "aging": aging,
-                         "calibration": calibration, "sjf_scoring": scoring, "loads": loads}
+                         "calibration": calibration, "loads": loads}
     result["wall_s"] = time.perf_counter() - t_start
     workflows.write_json(out, result)
     summary = {k: v for k, v in result.items() if k.endswith("_over_ar_tokens_per_s")}

@@ -123,52 +123,6 @@ def test_sjf_admits_the_cheapest_first_and_the_queue_is_bounded():
     b.stop()
 
 
-def test_a_batch_cost_predictor_scores_only_when_there_is_a_choice():
-    """A cost_fn with a `batch` method is not called at submit: a request that finds a free slot
-    is admitted unscored; requests that queue up behind a busy slot are scored together, in one
-    call, when the slot frees; the queue bound counts them while unscored; a cancel drops one."""
-
-    class Cost:
-        def __init__(self):
-            self.calls = []
-
-        def __call__(self, prompt):
-            raise AssertionError("a batch predictor is only called through batch()")
-
-        def batch(self, prompts):
-            self.calls.append(len(prompts))
-            return [{"cost": float(len(p))} for p in prompts]
-
-    cost = Cost()
-    b = Batcher(MockEngine(1, step_s=0.01), SJF(key="cost"), max_queue=3, cost_fn=cost).start()
-    assert not b.scores_at_submit
-    order = []
-    lock = threading.Lock()
-
-    def sink_for(name):
-        def sink(ev):
-            if ev.finish_reason is not None:
-                with lock:
-                    order.append((name, ev.finish_reason))
-        return sink
-
-    b.submit(_req("x" * 20), sink_for("running"))
-    time.sleep(0.05)  # admitted without a score: it had the slot to itself
-    assert cost.calls == []
-    ids = {name: b.submit(_req(text), sink_for(name))
-           for name, text in (("longest", "z" * 12), ("gone", "y"), ("short", "ab"))}
-    with pytest.raises(QueueFull):
-        b.submit(_req("one too many"), sink_for("x"))
-    assert b.queue_length() == 3
-    b.cancel(ids["gone"])
-    deadline = time.monotonic() + 10
-    while len(order) < 4 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert order == [("gone", "cancelled"), ("running", "stop"), ("short", "stop"), ("longest", "stop")]
-    assert cost.calls == [2] and b.stats.scored == 2 and b.stats.score_calls == 1
-    b.stop()
-
-
 def test_cancel_frees_the_slot_at_once():
     eng = MockEngine(1, step_s=0.02)
     b = Batcher(eng).start()

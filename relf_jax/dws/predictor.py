@@ -277,11 +277,10 @@ class WorkloadCost:
         # prompt widths one call pads to: powers of two from 16, then max_len (the encoder masks
         # padding, so the width changes no prediction; a narrower call costs less)
         self.widths = tuple(w for w in (16, 32, 64, 128, 256, 512) if w < self.max_len) + (self.max_len,)
-        for b in self.BATCHES:  # compile every shape now, not on the first requests
-            for w in self.widths:
-                self.batch([[self.lm.tokenizer.bos_id] * w] * b)
+        for w in self.widths:  # compile one prompt's shapes now, not on the first requests
+            self([self.lm.tokenizer.bos_id] * w)
 
-    # row counts one call pads to (each compiled once); longer lists go in chunks of the largest
+    # row counts one `batch` call pads to (each compiled once); longer lists go in chunks of the largest
     BATCHES = (1, 4, 16)
 
     def __call__(self, prompt: Sequence[int]) -> dict[str, float]:
@@ -289,8 +288,7 @@ class WorkloadCost:
         return self.batch([prompt])[0]
 
     def batch(self, prompts: Sequence[Sequence[int]]) -> list[dict[str, float]]:
-        """`__call__` for several prompts in one predictor call (per `BATCHES` chunk): the
-        serving batcher scores the requests that queue up together (`relf_jax.serving.batching`)."""
+        """`__call__` for several prompts in one predictor call (per `BATCHES` chunk)."""
         out = []
         for i in range(0, len(prompts), self.BATCHES[-1]):
             chunk = prompts[i:i + self.BATCHES[-1]]

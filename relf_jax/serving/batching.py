@@ -97,9 +97,6 @@ class Stats:
         self.e2e_sum = 0.0
         self.e2e_count = 0
         self.rejected = 0  # 429s
-        self.scored = 0  # requests the lazy cost predictor scored
-        self.score_calls = 0  # its calls (each scores every waiting unscored request)
-        self.score_s = 0.0  # seconds in it
         self.started = time.monotonic()
 
     def observe_ttft(self, s: float) -> None:
@@ -115,22 +112,14 @@ class Batcher:
 
     policy: a `relf_jax.serving.scheduler` policy (default FCFS); max_queue: the queue bound
     (None: unbounded); cost_fn: ``prompt ids -> dict`` of predictions a policy ranks by (e.g.
-    ``{"dws_cost": seconds}``) for requests that carry none. A plain function is called at
-    submit. One with a ``batch(list of prompts) -> list of dicts`` method (e.g.
-    `relf_jax.dws.predictor.WorkloadCost`) is called lazily, in this thread: only when more
-    requests wait than slots are free (otherwise there is no choice to make), and then once
-    for all the waiting requests not yet scored. Under load that is one predictor call per
-    several requests instead of one per request, and at light load none at all.
+    ``{"dws_cost": seconds}``), called at submit for requests that carry none.
     """
 
     def __init__(self, engine: Engine, policy: Policy | None = None, *, max_queue: int | None = 256,
                  cost_fn: Callable[[Sequence[int]], dict[str, float]] | None = None, idle_wait_s: float = 0.05):
         self.engine = engine
         self.queue = RequestQueue(policy or FCFS(), max_size=max_queue)
-        self.max_queue = max_queue
         self.cost_fn = cost_fn
-        self._lazy = cost_fn is not None and callable(getattr(cost_fn, "batch", None))
-        self._unscored: dict[str, Request] = {}  # waiting, not yet scored (lazy cost_fn), oldest first
         self.idle_wait_s = idle_wait_s
         self.stats = Stats()
         self._lock = threading.Condition()
@@ -153,15 +142,10 @@ class Batcher:
             self._thread.start()
         return self
 
-    @property
-    def scores_at_submit(self) -> bool:
-        """`submit` runs the cost predictor itself (a plain cost_fn) for requests without predictions."""
-        return self.cost_fn is not None and not self._lazy
-
     def submit(self, req: GenerationRequest, sink: Callable[[Event], None]) -> str:
         """Queue `req`; `sink` gets its events. Raises QueueFull, ServerClosed or UserError."""
         self.engine.check_request(len(req.prompt), req.params.max_tokens)
-        if not req.predicted and self.scores_at_submit:
+        if not req.predicted and self.cost_fn is not None:
             req.predicted = dict(self.cost_fn(req.prompt))
         with self._lock:
             if self._closing:
@@ -169,23 +153,15 @@ class Batcher:
             if not req.id:
                 req.id = f"req-{next(self._ids)}"
             now = time.monotonic()
-            entry = Request(id=req.id, arrival=now, predicted=req.predicted, priority=req.priority, payload=req.id)
             try:
-                if self.max_queue is not None and self._waiting() >= self.max_queue:
-                    raise QueueFull(f"queue is full ({self.max_queue} requests)")
-                if self._lazy and not req.predicted:
-                    self._unscored[req.id] = entry
-                else:
-                    self.queue.push(entry)
+                self.queue.push(Request(id=req.id, arrival=now, predicted=req.predicted, priority=req.priority,
+                                        payload=req.id))
             except QueueFull:
                 self.stats.rejected += 1
                 raise
             self._live[req.id] = _Live(req=req, sink=sink, arrival=now)
             self._lock.notify_all()
         return req.id
-
-    def _waiting(self) -> int:  # under the lock
-        return len(self.queue) + len(self._unscored)
 
     def cancel(self, request_id: str) -> None:
         """Drop a request (its client went away): it leaves the queue or frees its slot before the next step."""
@@ -196,7 +172,7 @@ class Batcher:
 
     def queue_length(self) -> int:
         with self._lock:
-            return self._waiting()
+            return len(self.queue)
 
     def active(self) -> int:
         with self._lock:
@@ -244,7 +220,7 @@ class Batcher:
                     self._step()
                 else:
                     with self._lock:
-                        if not self._waiting():
+                        if not len(self.queue):
                             self._lock.wait(timeout=self.idle_wait_s)
         except BaseException as e:  # noqa: BLE001 - report to every waiting request, then stop
             self.error = e
@@ -262,7 +238,6 @@ class Batcher:
             if live is None:
                 continue
             self.queue.remove(rid)
-            self._unscored.pop(rid, None)
             self._finish(live, "cancelled")
 
     def _admit(self) -> None:
@@ -270,47 +245,20 @@ class Batcher:
             with self._lock:
                 self._drop_cancelled()
                 free = [i for i, s in enumerate(self._slots) if s is None]
-                waiting = self._waiting()
-                if not free or not waiting:
+                if not free or not len(self.queue):
                     return
-                if self._unscored and waiting > len(free):  # a choice to make: score the unscored first
-                    batch = list(self._unscored.values())
-                    prompts = [self._live[r.id].req.prompt for r in batch]
-                else:
-                    batch = None
-                    if len(self.queue):
-                        rid = self.queue.pop(time.monotonic()).payload
-                    else:  # every waiting request gets a slot now: the order does not matter
-                        rid = next(iter(self._unscored))
-                        del self._unscored[rid]
-                    live = self._live[rid]
-                    live.admitted = time.monotonic()
-                    slot = free[0]
-                    self._slots[slot] = rid
-                    live.slot = slot
-            if batch is not None:
-                self._score(batch, prompts)
-                continue
+                rid = self.queue.pop(time.monotonic()).payload
+                live = self._live[rid]
+                live.admitted = time.monotonic()
+                slot = free[0]
+                self._slots[slot] = rid
+                live.slot = slot
             self._state, prefix = self.engine.prefill_insert(live.req.prompt, live.req.params, self._state, slot)
             with self._lock:
                 live.model_s += prefix.model_s
                 self.stats.model_s += prefix.model_s
                 if self._take(live, prefix.tokens, prefix.done, from_step=False):
                     self._release(live)
-
-    def _score(self, batch: list[Request], prompts: list[list[int]]) -> None:
-        """One lazy cost_fn call for `batch`, then into the policy queue (those not cancelled meanwhile)."""
-        t0 = time.perf_counter()
-        preds = self.cost_fn.batch(prompts)
-        with self._lock:
-            self.stats.scored += len(batch)
-            self.stats.score_calls += 1
-            self.stats.score_s += time.perf_counter() - t0
-            for entry, pred in zip(batch, preds):
-                if self._unscored.pop(entry.id, None) is None:
-                    continue  # cancelled while scoring
-                entry.predicted = self._live[entry.id].req.predicted = dict(pred)
-                self.queue.push(entry)
 
     def _step(self) -> None:
         self._state, out = self.engine.generate(self._state)

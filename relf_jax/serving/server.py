@@ -310,7 +310,7 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
         def sink(ev: Event) -> None:
             loop.call_soon_threadsafe(events.put_nowait, ev)
 
-        if served.batcher.scores_at_submit and not req.predicted:
+        if served.batcher.cost_fn is not None and not req.predicted:
             # the SJF cost predictor runs a model: off the event loop, so other streams keep flowing
             rid = await asyncio.to_thread(submit, served, req, sink)
         else:
@@ -487,12 +487,6 @@ def prometheus_text(models: dict[str, list[ServedEngine]], http_totals: dict | N
             for n, s in served for r, c in s.batcher.stats.requests.items()])
     metric("relf_rejected_total", "counter", "Requests refused with 429 (queue full).",
            each(lambda s: s.batcher.stats.rejected))
-    metric("relf_scored_requests_total", "counter", "Requests the lazy cost predictor scored (SJF).",
-           each(lambda s: s.batcher.stats.scored))
-    metric("relf_score_calls_total", "counter", "Calls of the lazy cost predictor (each scores every waiting request).",
-           each(lambda s: s.batcher.stats.score_calls))
-    metric("relf_score_seconds_total", "counter", "Seconds spent in the lazy cost predictor.",
-           each(lambda s: s.batcher.stats.score_s))
     metric("relf_generated_tokens_total", "counter", "Tokens generated.", each(lambda s: s.batcher.stats.tokens))
     metric("relf_tokens_per_second", "gauge", "Generated tokens per second since start.",
            each(lambda s: s.batcher.stats.tokens / max(time.monotonic() - s.batcher.stats.started, 1e-9)))
