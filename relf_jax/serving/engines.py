@@ -628,17 +628,19 @@ class BlockDiffusionEngine(Engine):
             new = _BDSlot(canvas=canvas, cache=cache, prompt_len=sl.prompt_len,
                           blocks=sl.blocks + active[0].astype(jnp.int32), done=done,
                           key=jax.random.key_data(key), temperature=sl.temperature)
-            return new, block[0], jnp.where(active, lo, 0)[0], jnp.where(active, hi, 0)[0], (active & done)[0]
+            row = jnp.stack([jnp.where(active, lo, 0)[0], jnp.where(active, hi, 0)[0], (active & done)[0]])
+            return new, jnp.concatenate([block[0], row.astype(block.dtype)])
 
-        return jax.vmap(one)(slots)
+        return jax.vmap(one)(slots)  # (state, [slots, (d block tokens, lo, hi, done)])
 
     def generate(self, state):
         t0 = time.perf_counter()
-        state, blocks, lo, hi, done = self._jit_step(self.lm.params, state)
-        blocks, lo, hi, done = jax.device_get((blocks, lo, hi, done))
+        state, out = self._jit_step(self.lm.params, state)
+        out = np.asarray(out).tolist()  # one device-to-host copy; Python ints from here on
         model_s = time.perf_counter() - t0
-        toks = [blocks[i, lo[i]:hi[i]].tolist() for i in range(self.num_slots)]
-        return state, StepOutput(tokens=toks, done=[bool(x) for x in done], model_s=model_s)
+        d = self.block_size
+        toks = [row[row[d]:row[d + 1]] for row in out]
+        return state, StepOutput(tokens=toks, done=[bool(row[d + 2]) for row in out], model_s=model_s)
 
 
 # ------------------------------------------------------------------------------ ReLF
