@@ -139,6 +139,23 @@ def test_cancel_frees_the_slot_at_once():
     b.stop()
 
 
+def test_cancel_frees_a_queue_place_at_once():
+    """A queued request that is cancelled leaves the queue in `cancel` itself, so a submit right
+    after it finds the place free (no wait for the batcher's next loop)."""
+    b = Batcher(MockEngine(1, step_s=0.02), max_queue=1).start()
+    running = Collect()
+    b.submit(_req("y" * 100), running)
+    running.events.get(timeout=5)  # it holds the only slot
+    queued = Collect()
+    rid = b.submit(_req("queued"), queued)
+    with pytest.raises(QueueFull):
+        b.submit(_req("no place"), Collect())
+    b.cancel(rid)
+    assert queued.result(timeout=0.5)[1].finish_reason == "cancelled"
+    b.submit(_req("next"), Collect())  # the place is free now
+    b.stop(drain=False)
+
+
 def test_stop_drains_then_refuses():
     b = Batcher(MockEngine(2, step_s=0.005)).start()
     sinks = [Collect() for _ in range(4)]

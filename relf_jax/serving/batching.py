@@ -164,9 +164,15 @@ class Batcher:
         return req.id
 
     def cancel(self, request_id: str) -> None:
-        """Drop a request (its client went away): it leaves the queue or frees its slot before the next step."""
+        """Drop a request (its client went away): a queued one leaves the queue at once (its
+        place is free for the next submit); a running one frees its slot before the next step."""
         with self._lock:
-            if request_id in self._live:
+            live = self._live.get(request_id)
+            if live is None:
+                return
+            if self.queue.remove(request_id) is not None:
+                self._finish(live, "cancelled")
+            else:
                 self._cancel.add(request_id)
                 self._lock.notify_all()
 

@@ -165,18 +165,21 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
 
     class EventStream(StreamingResponse):
         """A server-sent event stream over `events`, the asyncio queue its request's batcher
-        feeds. A client disconnect puts None into that queue (one watcher task per stream), so
-        the stream ends and frees its slot at once; Starlette's own streaming response watches
-        with a task group per response, measurably slower per request at batch 1."""
+        feeds. One watcher task per stream waits for the client's disconnect, then calls
+        `on_disconnect` (the batcher's cancel: a queued request leaves the queue at once, a
+        running one frees its slot before the next step) and puts None into the queue, which
+        ends the stream. Starlette's own streaming response watches with a task group per
+        response, measurably slower per request at batch 1."""
 
-        def __init__(self, content, events: asyncio.Queue, **kw):
+        def __init__(self, content, events: asyncio.Queue, on_disconnect: Callable[[], None], **kw):
             super().__init__(content, **kw)
-            self.events = events
+            self.events, self.on_disconnect = events, on_disconnect
 
         async def __call__(self, scope, receive, send):
             async def watch():
                 while (await receive())["type"] != "http.disconnect":
                     pass
+                self.on_disconnect()  # at once: the request's queue place or slot is free for the next
                 self.events.put_nowait(None)
 
             watcher = asyncio.ensure_future(watch())
@@ -405,7 +408,7 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
             finally:  # the client went away (or we are done): free the slot now
                 served.batcher.cancel(rid)
 
-        return EventStream(sse(), events, media_type="text/event-stream",
+        return EventStream(sse(), events, lambda: served.batcher.cancel(rid), media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/chat/completions")
