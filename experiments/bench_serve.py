@@ -63,6 +63,7 @@ class ServeBenchSizes:
     dws_loads: tuple[float, ...] = (0.9, 1.2)
     dws_reps: int = 3  # runs per load (each drives both policies at once)
     dws_max_tokens: int = 96
+    max_context: int | None = None  # AR / NSD engines: `relf-jax serve --max-context` (None: the model's)
     dws_aging_horizon: float = 100.0  # in mean predicted costs: one size spread gained per this many
     seed: int = 0
 
@@ -361,6 +362,8 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
     # --- 1 + 2: AR vs NSD, and batch-1 overhead
     if "engines" in parts:
         common = ["--workdir", workdir, "--slots", str(sz.slots), "--k", str(sz.k), "--model-name", "m"]
+        if sz.max_context is not None:
+            common += ["--max-context", str(sz.max_context)]
         engines = {}
         for gen, extra in SPEC_ENGINES:
             print(f"[bench serve] {gen} engine: starting the server", flush=True)

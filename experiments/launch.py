@@ -135,6 +135,9 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--steps-per-call", type=int, default=None,
                     help="ar / speculative: tokens or rounds per engine call; more cut host overhead, fewer "
                          "give a finer stream (default 8 for ar, 2 for speculative)")
+    sv.add_argument("--max-context", type=int, default=None,
+                    help="ar / speculative: prompt + reply tokens per slot, below the model's context (default: the "
+                         "model's); the KV cache and each step's attention shrink with it")
     sv.add_argument("--chat-template", default=None, help="a .json marker template or a .jinja template")
     sv.add_argument("--mock", action="store_true", help="serve the model-free mock engine (echoes the user)")
     sv.add_argument("--mock-step-ms", type=float, default=0.0, help="mock: simulated model time per step")
@@ -345,7 +348,7 @@ def _serve(args) -> int:
                           max_queue=args.max_queue, policy=args.policy, aging=args.aging, template=template,
                           cost_fn=cost_fn, mock=args.mock, mock_step_s=args.mock_step_ms / 1e3, k=args.k,
                           proposer=args.proposer, draft=args.draft, nsd_top_p=args.nsd_top_p, nfe=args.nfe,
-                          threshold=args.threshold, steps_per_call=args.steps_per_call)
+                          threshold=args.threshold, steps_per_call=args.steps_per_call, max_context=args.max_context)
     name = next(iter(models))
     print(f"[serve] model {name!r} with {', '.join(s.generator for s in models[name])} on "
           f"http://{args.host}:{args.port}/v1 (policy {args.policy}, {args.slots} slots)", flush=True)

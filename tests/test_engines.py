@@ -215,3 +215,24 @@ def test_requests_that_do_not_fit_are_refused():
         E.RequestParams(max_tokens=4, temperature=-1)
     with pytest.raises(UserError):
         E.RequestParams(max_tokens=4, top_p=0.0)
+
+
+def test_a_smaller_max_context_shrinks_the_cache_not_the_tokens():
+    """`max_context` below the model's: every slot's KV cache has that length, requests past it
+    are refused, and a request that fits gets the tokens it gets with the model's full context
+    (AR and speculative)."""
+    lm, draft = tiny_lm("ar", 0, max_seq_len=64), tiny_lm("ar", 1, max_seq_len=64)
+    params = E.RequestParams(8, 1.0, seed=6)
+    for make in (lambda **kw: E.AREngine(lm, 2, steps_per_call=2, **kw),
+                 lambda **kw: E.SpeculativeEngine(lm, draft, 2, rule="nsd", k=2, **kw)):
+        small, full = make(max_context=40), make()
+        assert small.max_context == 40 and full.max_context == 64
+        cache_lengths = {x.shape[-2] for x in jax.tree.leaves(small.init_state().slots.state) if x.ndim == 5}
+        assert cache_lengths == {40}, cache_lengths
+        want = _run(full, [(1, PROMPTS[0], params, 0)], steps=3)[1]
+        assert _run(small, [(1, PROMPTS[0], params, 0)], steps=3)[1] == want and len(want) > 3
+        with pytest.raises(UserError, match="context"):
+            small.check_request(len(PROMPTS[0]), 40)
+        for bad in (1, 65, 2.5):
+            with pytest.raises(UserError, match="max_context"):
+                make(max_context=bad)

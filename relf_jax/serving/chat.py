@@ -146,14 +146,19 @@ def _or(steps_per_call: int | None, kind: str) -> int:
 
 def load_engine(workdir: str, generator: str = "ar", *, slots: int = 8, k: int = 4, proposer: str = "draft",
                 draft: str | None = None, nsd_top_p: float = 0.9, nfe: int | None = None,
-                threshold: float = 0.95, top_k: int = 0, steps_per_call: int | None = None) -> Engine:
+                threshold: float = 0.95, top_k: int = 0, steps_per_call: int | None = None,
+                max_context: int | None = None) -> Engine:
     """An engine over the checkpoint in `workdir` (the ``<workdir>/<family>`` layout of `relf-jax train`).
 
     generator: "ar"; "standard" / "nsd" / "greedy" (speculative, with `proposer` "draft" (the
     model in `draft`, default ``<workdir>/draft``) or "prompt_lookup", `k` drafts per round);
     "bd" (block diffusion, `threshold`); "relf" (`nfe` steps). `steps_per_call`: AR tokens or
     speculative rounds per engine call (`relf_jax.serving.engines._check_steps_per_call`;
-    None: `STEPS_PER_CALL`).
+    None: `STEPS_PER_CALL`). `max_context` (AR and speculative; the others ignore it, as AR
+    ignores `nfe`): prompt + reply tokens a slot holds, below the model's context (None: the
+    model's). Every slot's KV cache has this length and every step attends over all of it, so
+    a deployment whose conversations are short serves faster with a smaller one; longer
+    requests are refused (HTTP 400).
     """
     from relf_jax import workflows
     from relf_jax.serving import engines as E
@@ -166,7 +171,7 @@ def load_engine(workdir: str, generator: str = "ar", *, slots: int = 8, k: int =
         return E.ReLFEngine(workflows.load_model(workdir, "relf"), slots, nfe=nfe)
     lm = workflows.load_model(workdir, "ar")
     if generator == "ar":
-        return E.AREngine(lm, slots, top_k=top_k, steps_per_call=_or(steps_per_call, "ar"))
+        return E.AREngine(lm, slots, top_k=top_k, steps_per_call=_or(steps_per_call, "ar"), max_context=max_context)
     dm = None
     if proposer == "draft":
         path = draft or os.path.join(workdir, "draft")
@@ -175,7 +180,7 @@ def load_engine(workdir: str, generator: str = "ar", *, slots: int = 8, k: int =
             raise UserError(f"the draft in {path} uses another tokenizer than the target")
     return E.SpeculativeEngine(lm, dm, slots, rule=generator, k=k, proposer=proposer, nsd_top_p=nsd_top_p,
                                steps_per_call=_or(steps_per_call, "speculative"),
-                               name=f"spec-{generator}")
+                               name=f"spec-{generator}", max_context=max_context)
 
 
 class ChatModel:

@@ -230,6 +230,16 @@ class _Held:
         return _Held(slots, self.nucleus - {slot})
 
 
+def _context(model_max: int, max_context: int | None) -> int:
+    """An engine's context: the model's, or `max_context` below it (`load_engine`'s docstring)."""
+    if max_context is None:
+        return model_max
+    if not isinstance(max_context, int) or not 2 <= max_context <= model_max:
+        raise UserError(f"max_context must be an integer in [2, {model_max}] (the model's context), "
+                        f"got {max_context!r}")
+    return max_context
+
+
 def _check_steps_per_call(n: int) -> int:
     """Sampler steps (AR tokens, speculative rounds) one `generate` call runs, in one jitted loop.
 
@@ -270,7 +280,8 @@ class AREngine(Engine):
     """One token per sampler step per slot, with `relf_jax.sampling.autoregressive`'s prefill and
     step; `steps_per_call` steps per `generate` (see `_check_steps_per_call`)."""
 
-    def __init__(self, lm, num_slots: int = 8, *, top_k: int = 0, steps_per_call: int = 1, name: str = "ar"):
+    def __init__(self, lm, num_slots: int = 8, *, top_k: int = 0, steps_per_call: int = 1, name: str = "ar",
+                 max_context: int | None = None):
         from relf_jax.sampling import autoregressive as ar
 
         if num_slots < 1:
@@ -279,7 +290,7 @@ class AREngine(Engine):
         self.lm, self.name, self.num_slots, self.top_k = lm, name, num_slots, top_k
         self.steps_per_call = self.tokens_per_step = _check_steps_per_call(steps_per_call)
         self.tokenizer = lm.tokenizer
-        self.max_context = lm.model_cfg.max_seq_len
+        self.max_context = _context(lm.model_cfg.max_seq_len, max_context)
         self.stop_ids = turn_stop_ids(lm.tokenizer)
         # the step never stops a slot on length (the server does, per request)
         self._step_settings = ar.DecodeSettings(max_new_tokens=self.max_context, eos_id=lm.tokenizer.eos_id,
@@ -385,7 +396,7 @@ class SpeculativeEngine(Engine):
 
     def __init__(self, lm, draft=None, num_slots: int = 8, *, rule: str = "nsd", k: int = 4,
                  proposer: str = "draft", nsd_top_p: float = 0.9, ngram: int = 3, steps_per_call: int = 1,
-                 name: str | None = None):
+                 name: str | None = None, max_context: int | None = None):
         from relf_jax.speculative import generate as spec
 
         if num_slots < 1:
@@ -397,9 +408,10 @@ class SpeculativeEngine(Engine):
         self.rule, self.k, self.proposer, self.nsd_top_p, self.ngram = rule, k, proposer, nsd_top_p, ngram
         self.name = name or f"spec-{rule}"
         self.tokenizer = lm.tokenizer
-        self.max_context = lm.model_cfg.max_seq_len
+        model_max = lm.model_cfg.max_seq_len
         if self.draft is not None:
-            self.max_context = min(self.max_context, self.draft.model_cfg.max_seq_len)
+            model_max = min(model_max, self.draft.model_cfg.max_seq_len)
+        self.max_context = _context(model_max, max_context)
         self.stop_ids = turn_stop_ids(lm.tokenizer)
         self.steps_per_call = _check_steps_per_call(steps_per_call)
         self.tokens_per_step = (k + 1) * self.steps_per_call
