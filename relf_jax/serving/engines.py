@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import functools
 import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -173,13 +172,11 @@ def _stack_slots(tree, n: int):
     return jax.tree.map(lambda x: jnp.broadcast_to(jnp.asarray(x)[None], (n,) + jnp.shape(x)).copy(), tree)
 
 
-def _first_prefix(engine: Engine, params: RequestParams, t0: float, first, done, at: int | None = None,
-                  data=None) -> Prefix:
-    """The Prefix of a prefill that samples the first token (AR, speculative), `t0` its start.
-    `first` and `done` come to the host in one copy; `at`: `first` is the [1, S] token row and
-    the first token sits at `at` (indexed on the host: no indexing op to dispatch)."""
+def _first_prefix(engine: Engine, params: RequestParams, t0: float, first, done, data=None) -> Prefix:
+    """The Prefix of a prefill that samples the first token (AR, speculative), `t0` its start:
+    `first` and `done` (device scalars) come to the host in one copy."""
     first, done = jax.device_get((first, done))
-    first, done = int(first[0, at] if at is not None else first), bool(np.reshape(done, -1)[0])
+    first, done = int(first), bool(done)
     return Prefix(data=data, tokens=[first], done=done or first in engine.stop_ids,
                   model_s=time.perf_counter() - t0, nucleus=params.top_p < 1)
 
@@ -195,10 +192,6 @@ def _pad_one(prompt: Sequence[int], pad_id: int, bucket: int):
     from relf_jax.sampling.autoregressive import pad_prompts_np
 
     return pad_prompts_np([list(prompt)], pad_id, bucket)
-
-
-def _key_data(seed: int):
-    return jax.random.key_data(jax.random.key(seed))
 
 
 @flax.struct.dataclass
@@ -297,6 +290,7 @@ class AREngine(Engine):
                                                 pad_id=lm.tokenizer.pad_id)
         self._jit_step = jax.jit(self._step_all, donate_argnums=(1,), static_argnames=("nucleus",))
         self._jit_insert = jax.jit(_set_slot, donate_argnums=(0,))
+        self._jit_prefill = jax.jit(self._prefix_data, static_argnames=("settings",))
         self._jit_prefill_insert = jax.jit(self._prefill_into, donate_argnums=(1,), static_argnames=("settings",))
         self._jit_free = jax.jit(lambda s, slot: dataclasses.replace(
             s, state=dataclasses.replace(s.state, done=s.state.done.at[slot].set(True))), donate_argnums=(0,))
@@ -316,20 +310,24 @@ class AREngine(Engine):
         bucket = bucket_for(len(prompt), self.max_context - 1)
         return (*_pad_one(prompt, self.tokenizer.pad_id, bucket), self._settings(bucket))
 
+    def _prefix_data(self, params, prompts, lengths, seed, sampling, settings):
+        """(slot data, first token, done) of one padded prompt: traced, the seed's key made inside."""
+        st = self._ar.prefill(self.lm.graphdef, params, prompts, lengths, jax.random.key(seed), sampling, settings)
+        return _Slot(state=st, sampling=sampling), st.tokens[0, lengths[0]], st.done[0]
+
     def prefill(self, prompt, params):
         arr, lens, settings = self._padded(prompt)
-        sampling = self._sampling(params)
         t0 = time.perf_counter()
-        st = self._ar.prefill(self.lm.graphdef, self.lm.params, arr, lens, jax.random.key(params.seed), sampling,
-                              settings)
-        return _first_prefix(self, params, t0, st.tokens, st.done, len(prompt), data=_Slot(state=st, sampling=sampling))
+        data, first, done = self._jit_prefill(self.lm.params, arr, lens, np.uint32(params.seed),
+                                              self._sampling(params), settings=settings)
+        return _first_prefix(self, params, t0, first, done, data=data)
 
     def insert(self, prefix, state, slot):
         return state.insert(self._jit_insert(state.slots, prefix.data, slot), slot, prefix.nucleus)
 
     def _prefill_into(self, params, slots, prompts, lengths, seed, sampling, slot, settings):
-        st = self._ar.prefill(self.lm.graphdef, params, prompts, lengths, jax.random.key(seed), sampling, settings)
-        return _set_slot(slots, _Slot(state=st, sampling=sampling), slot), st.tokens[0, lengths[0]], st.done[0]
+        data, first, done = self._prefix_data(params, prompts, lengths, seed, sampling, settings)
+        return _set_slot(slots, data, slot), first, done
 
     def prefill_insert(self, prompt, params, state, slot):
         arr, lens, settings = self._padded(prompt)
@@ -378,15 +376,6 @@ class AREngine(Engine):
 
 # ------------------------------------------------------------------------------ speculative
 
-@functools.partial(jax.jit, static_argnames=("target_graphdef", "draft_graphdef", "settings"))
-def _spec_prefill(target_graphdef, target_params, draft_graphdef, draft_params, prompts, lengths, key, sp,
-                  settings):
-    from relf_jax.speculative import generate as spec
-
-    return spec._prefill(target_graphdef, target_params, draft_graphdef, draft_params, prompts, lengths, key,
-                         sp, settings)
-
-
 class SpeculativeEngine(Engine):
     """One draft/verify round per step per slot (`relf_jax.speculative.generate`'s round).
 
@@ -418,6 +407,7 @@ class SpeculativeEngine(Engine):
         self._step_settings = self._settings(self.max_context)
         self._jit_step = jax.jit(self._step_all, donate_argnums=(2,), static_argnames=("nucleus",))
         self._jit_insert = jax.jit(_set_slot, donate_argnums=(0,))
+        self._jit_prefill = jax.jit(self._prefix_data, static_argnames=("settings",))
         self._jit_prefill_insert = jax.jit(self._prefill_into, donate_argnums=(2,), static_argnames=("settings",))
         self._jit_free = jax.jit(lambda s, slot: dataclasses.replace(
             s, state=dataclasses.replace(s.state, done=s.state.done.at[slot].set(True))), donate_argnums=(0,))
@@ -445,23 +435,26 @@ class SpeculativeEngine(Engine):
         bucket = bucket_for(len(prompt), self.max_context - self.reserve() - 1)
         return (*_pad_one(prompt, self.tokenizer.pad_id, bucket), self._settings(self.max_context - bucket - self.k - 1))
 
+    def _prefix_data(self, target_params, draft_params, prompts, lengths, seed, sp, settings):
+        """(slot data, first token, done) of one padded prompt: traced, the seed's key made inside."""
+        dg = self.draft.graphdef if self.draft is not None else None
+        st = self._spec._prefill(self.lm.graphdef, target_params, dg, draft_params, prompts, lengths,
+                                 jax.random.key(seed), sp, settings)
+        return _Slot(state=st, sampling=sp), st.tokens[0, lengths[0]], st.done[0]
+
     def prefill(self, prompt, params):
         arr, lens, settings = self._padded(prompt)
-        dg, dp = self._draft_parts()
-        sp = self._params(params)
         t0 = time.perf_counter()
-        st = _spec_prefill(self.lm.graphdef, self.lm.params, dg, dp, arr, lens, jax.random.key(params.seed), sp,
-                           settings)
-        return _first_prefix(self, params, t0, st.tokens, st.done, len(prompt), data=_Slot(state=st, sampling=sp))
+        data, first, done = self._jit_prefill(self.lm.params, self._draft_parts()[1], arr, lens,
+                                              np.uint32(params.seed), self._params(params), settings=settings)
+        return _first_prefix(self, params, t0, first, done, data=data)
 
     def insert(self, prefix, state, slot):
         return state.insert(self._jit_insert(state.slots, prefix.data, slot), slot, prefix.nucleus)
 
     def _prefill_into(self, target_params, draft_params, slots, prompts, lengths, seed, sp, slot, settings):
-        dg = self.draft.graphdef if self.draft is not None else None
-        st = self._spec._prefill(self.lm.graphdef, target_params, dg, draft_params, prompts, lengths,
-                                 jax.random.key(seed), sp, settings)
-        return _set_slot(slots, _Slot(state=st, sampling=sp), slot), st.tokens[0, lengths[0]], st.done[0]
+        data, first, done = self._prefix_data(target_params, draft_params, prompts, lengths, seed, sp, settings)
+        return _set_slot(slots, data, slot), first, done
 
     def prefill_insert(self, prompt, params, state, slot):
         arr, lens, settings = self._padded(prompt)
@@ -559,6 +552,7 @@ class BlockDiffusionEngine(Engine):
                                                 threshold=threshold)
         self._jit_step = jax.jit(self._step_all, donate_argnums=(1,))
         self._jit_insert = jax.jit(_set_slot, donate_argnums=(0,))
+        self._jit_prefill = jax.jit(self._prefix_data)
         self._jit_prefill_insert = jax.jit(self._prefill_into, donate_argnums=(1,))
         self._jit_free = jax.jit(lambda s, slot: s.replace(done=s.done.at[slot].set(True)), donate_argnums=(0,))
 
@@ -570,16 +564,10 @@ class BlockDiffusionEngine(Engine):
                                               self.num_slots))
 
     def prefill(self, prompt, params):
-        bdd = self._bdd
         arr, plen = self._padded(prompt)
         t0 = time.perf_counter()
-        cache = bdd._prefill_jit(self.lm.graphdef, self.lm.params, jnp.asarray(arr), jnp.asarray(plen),
-                                 canvas_len=self.max_context, settings=self.settings)
-        canvas = bdd._canvas(jnp.asarray(arr), self.max_context, self.tokenizer.pad_id)
-        jax.block_until_ready(cache)
-        data = _BDSlot(canvas=canvas, cache=cache, prompt_len=jnp.asarray(plen), blocks=jnp.int32(0),
-                       done=jnp.zeros((1,), bool), key=_key_data(params.seed),
-                       temperature=jnp.float32(params.temperature))
+        data = jax.block_until_ready(self._jit_prefill(self.lm.params, arr, plen, np.uint32(params.seed),
+                                                       np.float32(params.temperature)))
         return Prefix(data=data, tokens=[], done=False, model_s=time.perf_counter() - t0)
 
     def insert(self, prefix, state, slot):
@@ -590,14 +578,17 @@ class BlockDiffusionEngine(Engine):
         pb = bucket_for(bdd.prompt_bucket(len(prompt), d), self.max_context - d)
         return bdd.pad_prompts([list(prompt)], self.tokenizer.pad_id, d, -(-pb // d) * d)
 
-    def _prefill_into(self, params, slots, prompts, prompt_len, seed, temperature, slot):
+    def _prefix_data(self, params, prompts, prompt_len, seed, temperature):
+        """One padded prompt's slot data (its prefilled cache): traced, the seed's key made inside."""
         bdd = self._bdd
         cache = bdd._prefill_jit(self.lm.graphdef, params, prompts, prompt_len, canvas_len=self.max_context,
                                  settings=self.settings)
-        data = _BDSlot(canvas=bdd._canvas(prompts, self.max_context, self.tokenizer.pad_id), cache=cache,
+        return _BDSlot(canvas=bdd._canvas(prompts, self.max_context, self.tokenizer.pad_id), cache=cache,
                        prompt_len=prompt_len, blocks=jnp.int32(0), done=jnp.zeros((1,), bool),
                        key=jax.random.key_data(jax.random.key(seed)), temperature=temperature)
-        return _set_slot(slots, data, slot)
+
+    def _prefill_into(self, params, slots, prompts, prompt_len, seed, temperature, slot):
+        return _set_slot(slots, self._prefix_data(params, prompts, prompt_len, seed, temperature), slot)
 
     def prefill_insert(self, prompt, params, state, slot):
         arr, plen = self._padded(prompt)
@@ -697,6 +688,7 @@ class ReLFEngine(Engine):
         self.tokens_per_step = self.length
         self._jit_step = jax.jit(self._step_all, donate_argnums=(1,))
         self._jit_insert = jax.jit(_set_slot, donate_argnums=(0,))
+        self._jit_prefill = jax.jit(self._prefix_data)
         self._jit_prefill_insert = jax.jit(self._prefill_into, donate_argnums=(0,))
         self._jit_free = jax.jit(lambda s, slot: s.replace(active=s.active.at[slot].set(False)),
                                  donate_argnums=(0,))
@@ -710,21 +702,22 @@ class ReLFEngine(Engine):
         row[:len(prompt)] = prompt
         return row
 
-    def prefill(self, prompt, params):
-        data = _FlowSlot(tokens=jnp.asarray(self._row(prompt)), prompt_len=jnp.int32(len(prompt)),
-                         key=_key_data(params.seed), active=jnp.bool_(True))
+    @staticmethod
+    def _prefix_data(row, prompt_len, seed):
+        return _FlowSlot(tokens=row, prompt_len=prompt_len, key=jax.random.key_data(jax.random.key(seed)),
+                         active=jnp.bool_(True))
+
+    def prefill(self, prompt, params):  # no model call: the whole reply is one step
+        data = self._jit_prefill(self._row(prompt), np.int32(len(prompt)), np.uint32(params.seed))
         return Prefix(data=data, tokens=[], done=False)
 
     def insert(self, prefix, state, slot):
         return self._jit_insert(state, prefix.data, slot)
 
-    @staticmethod
-    def _prefill_into(slots, row, prompt_len, seed, slot):
-        data = _FlowSlot(tokens=row, prompt_len=prompt_len, key=jax.random.key_data(jax.random.key(seed)),
-                         active=jnp.bool_(True))
-        return _set_slot(slots, data, slot)
+    def _prefill_into(self, slots, row, prompt_len, seed, slot):
+        return _set_slot(slots, self._prefix_data(row, prompt_len, seed), slot)
 
-    def prefill_insert(self, prompt, params, state, slot):  # no model call: the whole reply is one step
+    def prefill_insert(self, prompt, params, state, slot):
         return (self._jit_prefill_insert(state, self._row(prompt), np.int32(len(prompt)), np.uint32(params.seed),
                                          slot), Prefix(data=None, tokens=[], done=False))
 
