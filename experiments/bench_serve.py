@@ -25,9 +25,9 @@ Three comparisons, each side by side in one run:
    saturation; the measured FCFS / SJF mean-latency ratio is reported next to the
    simulator's prediction from the batch-1 times (`relf_jax.serving.simulator`). Loads are
    fractions of each policy's capacity with both running, measured in a run at twice that
-   (the batch-1 rate); the simulator's service times are the batch-1 times scaled to it. SJF ranks by the DWS predictor's cost
-   (`relf_jax.dws.predictor.WorkloadCost`, from ``relf-jax bench dws``), scored as each
-   request arrives (`relf_jax.serving.batching`).
+   (the batch-1 rate); the simulator's service times are the batch-1 times scaled to it. SJF
+   ranks by the DWS predictor's cost (`relf_jax.dws.predictor.WorkloadCost`, from ``relf-jax
+   bench dws``), scored as each request arrives (`relf_jax.serving.batching`).
 """
 
 from __future__ import annotations
