@@ -311,7 +311,10 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
         events: asyncio.Queue[Event] = asyncio.Queue()
 
         def sink(ev: Event) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, ev)
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, ev)
+            except RuntimeError:  # the event loop has closed (the server stopped): nobody is listening
+                pass
 
         if served.batcher.cost_fn is not None and not req.predicted:
             # the SJF cost predictor runs a model: off the event loop, so other streams keep flowing
