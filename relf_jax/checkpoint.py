@@ -104,10 +104,12 @@ class Checkpointer:
         out = self.manager.restore(int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return dict(out["meta"])
 
-    def restore_latest(self, target: Any, *, family: Optional[str] = None):
+    def restore_latest(self, target: Any, *, family: Optional[str] = None, model: Optional[dict] = None):
         """Restore the newest checkpoint that loads; None when there is none.
 
-        A checkpoint from another model `family` is a `UserError`. A checkpoint that fails to
+        A checkpoint from another model `family`, or (given `model`, the run's
+        ``dataclasses.asdict(ModelConfig)``) one saved with other model settings, is a
+        `UserError`: resuming it would not fit, and it is not corrupt. A checkpoint that fails to
         load is reported with a `CheckpointWarning` and the next older one is tried.
         """
         for step in reversed(self.steps()):
@@ -120,6 +122,12 @@ class Checkpointer:
             if family is not None and meta.get("family") not in (None, family):
                 raise UserError(f"checkpoint {step} in {self.directory} holds a {meta.get('family')!r} model, "
                                 f"not {family!r}")
+            if model is not None and isinstance(meta.get("model"), dict):
+                changed = model_settings_changed(meta["model"], model)
+                if changed:
+                    raise UserError(f"checkpoint {step} in {self.directory} was trained with other model settings ("
+                                    + ", ".join(f"model.{k}={old!r}, now {new!r}" for k, old, new in changed)
+                                    + "); resume it with the same settings, or train in another workdir")
             try:
                 state, data_state, meta = self.restore(step, target)
             except Exception as e:  # noqa: BLE001
@@ -136,6 +144,27 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+# model settings a run may change when it resumes: they leave every parameter's shape and
+# meaning as it was (the compute dtype)
+RESUMABLE_MODEL_CHANGES = frozenset({"dtype"})
+
+
+def model_settings_changed(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
+    """[(field, saved value, current value)] for the model settings that differ, except
+    `RESUMABLE_MODEL_CHANGES`. A field the checkpoint predates counts as its current default."""
+    defaults = dataclasses.asdict(ModelConfig())
+    out = []
+    for k, now in current.items():
+        if k in RESUMABLE_MODEL_CHANGES:
+            continue
+        before = saved.get(k, defaults.get(k))
+        if isinstance(before, list):
+            before = tuple(before)
+        if before != (tuple(now) if isinstance(now, list) else now):
+            out.append((k, before, now))
+    return out
 
 
 def tokenizer_bytes_from_meta(meta: dict) -> Optional[bytes]:

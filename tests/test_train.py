@@ -108,6 +108,27 @@ def test_checkpoint_of_other_family_is_a_user_error(trained, tiny_model_cfg):
         Checkpointer(res.workdir).restore_latest(plan.restore_target(), family="relf")
 
 
+def test_resuming_with_other_model_settings_is_a_user_error(trained, tiny_model_cfg, tmp_path):
+    import shutil
+    cfg, res = trained
+    wd = str(tmp_path / "copy")
+    shutil.copytree(res.workdir, wd)
+    steps = Checkpointer(wd).steps()
+    wider = dataclasses.replace(tiny_model_cfg, mlp_dim=tiny_model_cfg.mlp_dim * 2)
+    # not mistaken for a corrupt checkpoint (which would be skipped, and the run restarted over it)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointWarning)
+        with pytest.raises(UserError, match=rf"model.mlp_dim={tiny_model_cfg.mlp_dim}, now {wider.mlp_dim}"):
+            train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=res.step + 2)), wider,
+                  next_token_loss, CountingBatches(), workdir=wd, tensorboard=False)
+    assert Checkpointer(wd).steps() == steps  # nothing written
+    # the compute dtype may change on resume: same parameters
+    bf16 = dataclasses.replace(tiny_model_cfg, dtype="bfloat16")
+    out = train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=res.step + 1)), bf16,
+                next_token_loss, CountingBatches(), workdir=wd, tensorboard=False)
+    assert out.step == res.step + 1
+
+
 def _one_device_mesh():
     from relf_jax.sharding import make_mesh
     return make_mesh(1, 1, 1, devices=jax.devices()[:1])

@@ -204,7 +204,7 @@ def train(cfg: Config, model_cfg: ModelConfig, loss_fn: LossFn, data: Iterator[d
     meta = {"family": model_cfg.family, "config": cfg.to_dict(), "model": dataclasses.asdict(model_cfg),
             **(extra_meta or {})}
 
-    restored = ckpt.restore_latest(plan.restore_target(), family=model_cfg.family)
+    restored = ckpt.restore_latest(plan.restore_target(), family=model_cfg.family, model=meta["model"])
     if restored is not None:
         step, state, data_state, _ = restored
         params, opt_state = state["params"], state["opt_state"]
