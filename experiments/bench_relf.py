@@ -55,7 +55,8 @@ ABLATIONS = {"no_singular": ["flow.use_singular=false"], "gaussian_embeddings": 
              "mse_loss": ["flow.loss=mse"]}
 # our extensions to the paper's training, trained at the full budget, against the plain ReLF rows
 EXTENSIONS = {"aux_head": ["flow.aux_weight=1"], "per_position_t": ["flow.per_position_t=0.5"],
-              "aux_head_per_position_t": ["flow.aux_weight=1", "flow.per_position_t=0.5"]}
+              "aux_head_per_position_t": ["flow.aux_weight=1", "flow.per_position_t=0.5"],
+              "blind_spot": ["flow.blind_spot=true"]}
 
 
 def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = ()) -> dict:

@@ -15,14 +15,18 @@ Variants, all on fixed Gaussian embeddings (non-degenerate, row norm `embed_norm
   (``flow.aux_weight`` = `aux_weight`; sampling uses the main head only);
 - ``per_position``: the shipped parametrisation trained with a time per position in a
   `per_position_t` share of rows (``flow.per_position_t``; sampling keeps one t per row);
-- ``aux_per_position``: both extensions.
+- ``aux_per_position``: both extensions;
+- ``blind_spot``: the blind-spot network (``flow.blind_spot``: the model's layers split into a
+  left-to-right and a right-to-left stream, so the residual at a position never sees that
+  position) trained as the context classifier p(x_i | Z_{-i}); sampling adds the singular logits.
 
 Reported per variant and sampler (Euler, stochastic; `nfe` steps): the share of samples that are
 a data row, and the CE of the posterior at the word positions at a few times t.
 Measured (`benchmarks/relf_toy_cpu.json`, README's ReLF section): at 600 steps the shipped
 parametrisation returns no sample that is a data row (its posterior is the positional prior's);
 the network without singular logits returns only data rows; the auxiliary head recovers part
-of the gap, and per-position times add a little on top of it (not alone).
+of the gap, and per-position times add a little on top of it (not alone); the blind-spot
+network with the context loss recovers the most of the variants that keep the singular logits.
 """
 
 from __future__ import annotations
@@ -136,7 +140,7 @@ def word_ce(residual, table, rows, *, t: float, c, use_singular: bool, n: int = 
 
 
 def _train(sz: ToySizes, rows, table, *, use_singular: bool = True, aux_weight: float = 0.0,
-           per_position_t: float = 0.0, workdir: str, overrides: Sequence[str]):
+           per_position_t: float = 0.0, blind_spot: bool = False, workdir: str, overrides: Sequence[str]):
     from relf_jax.flow.losses import FlowLossSettings, make_flow_loss
     from relf_jax.train.loop import train
 
@@ -145,19 +149,22 @@ def _train(sz: ToySizes, rows, table, *, use_singular: bool = True, aux_weight: 
                                   f"train.eval_every={sz.steps}", f"train.seed={sz.seed}", *overrides],
                       workdir=workdir)
     model_cfg = dataclasses.replace(cfg.model, vocab_size=sz.vocab, max_seq_len=sz.length,
-                                    flow_embed_dim=sz.embed_dim, flow_aux_head=aux_weight > 0)
+                                    flow_embed_dim=sz.embed_dim, flow_aux_head=aux_weight > 0,
+                                    flow_blind_spot=blind_spot)
     settings = FlowLossSettings(residual_bound=cfg.flow.residual_bound, use_singular=use_singular,
-                                self_condition_prob=0.0, aux_weight=aux_weight, per_position_t=per_position_t)
+                                self_condition_prob=0.0, aux_weight=aux_weight, per_position_t=per_position_t,
+                                context_loss=blind_spot)
     res = train(cfg, model_cfg, make_flow_loss(settings), ToyBatches(rows, sz.batch, sz.seed), workdir=workdir,
                 tensorboard=False, frozen={"embeddings": table})
     return res, cfg.flow.residual_bound
 
 
-VARIANTS = ("exact", "singular", "no_singular", "aux", "per_position", "aux_per_position")
+VARIANTS = ("exact", "singular", "no_singular", "aux", "per_position", "aux_per_position", "blind_spot")
 # the trained variants' loss settings beyond the shipped ones (names of ToySizes fields for the values)
 _TRAINED = {"singular": {}, "no_singular": {"use_singular": False}, "aux": {"aux_weight": "aux_weight"},
             "per_position": {"per_position_t": "per_position_t"},
-            "aux_per_position": {"aux_weight": "aux_weight", "per_position_t": "per_position_t"}}
+            "aux_per_position": {"aux_weight": "aux_weight", "per_position_t": "per_position_t"},
+            "blind_spot": {"blind_spot": True}}
 
 
 def bench_relf_toy(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),

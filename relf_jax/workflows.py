@@ -145,7 +145,7 @@ def flow_loss_settings(cfg: Config, pad_id: int = -1):
     return FlowLossSettings(residual_bound=f.residual_bound, use_singular=f.use_singular, t_eps=f.t_eps,
                             t_distribution=f.t_distribution, self_condition_prob=f.self_condition_prob,
                             loss=f.loss, prompt_prob=f.prompt_prob, pad_id=pad_id, aux_weight=f.aux_weight,
-                            per_position_t=f.per_position_t)
+                            per_position_t=f.per_position_t, context_loss=f.blind_spot)
 
 
 def train_relf(cfg: Config, *, mesh=None) -> TrainResult:
@@ -156,7 +156,8 @@ def train_relf(cfg: Config, *, mesh=None) -> TrainResult:
     tok = prepare_tokenizer(cfg, builder)
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size,
                                     flow_prompt_input=cfg.model.flow_prompt_input or cfg.flow.prompt_prob > 0,
-                                    flow_aux_head=cfg.model.flow_aux_head or cfg.flow.aux_weight > 0)
+                                    flow_aux_head=cfg.model.flow_aux_head or cfg.flow.aux_weight > 0,
+                                    flow_blind_spot=cfg.model.flow_blind_spot or cfg.flow.blind_spot)
     cfg = dataclasses.replace(cfg, model=model_cfg)
     model_dir = os.path.join(cfg.workdir, "relf")
     if os.path.isdir(os.path.join(model_dir, "checkpoints")):
@@ -164,13 +165,16 @@ def train_relf(cfg: Config, *, mesh=None) -> TrainResult:
             saved = latest_meta(model_dir)["model"]
         except UserError:
             saved = None  # nothing readable to resume: no conflict
-        for field, setting, what in (("flow_prompt_input", "flow.prompt_prob", "clean prompts"),
-                                     ("flow_aux_head", "flow.aux_weight", "an auxiliary head")):
+        for field, on, off, what in (("flow_prompt_input", "flow.prompt_prob > 0", "flow.prompt_prob = 0",
+                                      "clean prompts"),
+                                     ("flow_aux_head", "flow.aux_weight > 0", "flow.aux_weight = 0", "an auxiliary head"),
+                                     ("flow_blind_spot", "flow.blind_spot=true", "flow.blind_spot=false",
+                                      "a blind-spot network")):
             before = getattr(model_cfg, field) if saved is None else bool(saved.get(field, False))
             if before != getattr(model_cfg, field):
                 raise UserError(f"the ReLF checkpoint in {model_dir} was trained "
                                 f"{'with' if before else 'without'} {what}; resume it with "
-                                f"{setting} {'> 0' if before else '= 0'}, or train in another workdir")
+                                f"{on if before else off}, or train in another workdir")
     table = flow_embeddings(cfg, builder, tok, model_dir)
     d, t = cfg.data, cfg.train
     rows = row_mode(cfg)

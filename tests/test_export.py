@@ -37,12 +37,12 @@ def _lm(tok, model_cfg, family="ar", seed=0):
 
 
 def test_safetensors_round_trip_is_bitwise(tmp_path, tok, tiny_model_cfg):
-    for family in ("ar", "relf"):
-        lm = _lm(tok, tiny_model_cfg, family)
+    for family, extra in (("ar", {}), ("relf", {}), ("relf", {"flow_blind_spot": True})):
+        lm = _lm(tok, dataclasses.replace(tiny_model_cfg, **extra), family)
         if family == "relf":
             table = np.random.default_rng(0).normal(size=(tok.vocab_size, lm.model_cfg.flow_embed_dim))
             lm = dataclasses.replace(lm, extras={"flow.embeddings": table.astype(np.float32)})
-        path = safetensors_io.save_safetensors(lm, str(tmp_path / f"{family}.safetensors"))
+        path = safetensors_io.save_safetensors(lm, str(tmp_path / f"{family}{len(extra)}.safetensors"))
         back = safetensors_io.load_safetensors(path)
         assert back.model_cfg == lm.model_cfg and back.step == 7
         a, b = flat_params(lm.params), flat_params(back.params)

@@ -152,6 +152,32 @@ def test_times_per_position():
     assert sample_times(jax.random.key(0), (3, 4), "logit_normal").shape == (3, 4)
 
 
+def test_blind_spot_residual_never_reads_its_own_position():
+    cfg = dataclasses.replace(_cfg().model, vocab_size=61, flow_blind_spot=True)
+    model = build_model(cfg, nnx.Rngs(0))
+    for block in [*model.blocks, *model.blocks_bwd]:  # non-zero modulation and head: a generic network
+        block.modulation[...] = 0.1 * jax.random.normal(jax.random.key(4), block.modulation.shape)
+    model.out[...] = 0.1 * jax.random.normal(jax.random.key(5), model.out.shape)
+    z = jax.random.normal(jax.random.key(3), (2, 6, 8))
+    sc = jax.random.normal(jax.random.key(6), (2, 6, 8))
+    t = jnp.asarray([0.3, 0.7])
+    f = model(z, sc, t)
+    for i in (0, 3, 5):  # changing position i's inputs changes every residual but its own
+        moved = model(z.at[:, i].add(1.0), sc.at[:, i].add(1.0), t)
+        assert float(jnp.abs(moved[:, i] - f[:, i]).max()) < 1e-5
+        others = jnp.delete(jnp.abs(moved - f), i, axis=1)
+        assert float(others.max(axis=(0, 2)).min()) > 1e-4
+    # the context loss is the CE of the bounded residual alone (singular logits off in training)
+    (ctx, m_ctx), _ = _loss_and_grads(model, context_loss=True, self_condition_prob=0.0)
+    (plain, _), _ = _loss_and_grads(model, use_singular=False, self_condition_prob=0.0)
+    (paper, _), _ = _loss_and_grads(model, self_condition_prob=0.0)
+    assert float(ctx) == pytest.approx(float(plain), rel=1e-6) and abs(float(ctx) - float(paper)) > 1e-3
+    # self-conditioning guesses X1_hat as the sampler does: with the singular logits
+    (ctx_sc, _), _ = _loss_and_grads(model, context_loss=True, self_condition_prob=1.0)
+    (plain_sc, _), _ = _loss_and_grads(model, use_singular=False, self_condition_prob=1.0)
+    assert abs(float(ctx_sc) - float(plain_sc)) > 1e-4
+
+
 def test_relf_cli_train_and_sample(tmp_path, capsys):
     from experiments.launch import main
     from relf_jax import workflows
@@ -231,6 +257,9 @@ def test_sample_relf_compiles_once_across_calls(tmp_path, capsys):
     assert main(["train", "--preset", "tiny", "--workdir", wd, "model=relf", "data.source=chatterbot",
                  "train.steps=3", "train.progress=false", "data.seq_len=16", "flow.aux_weight=1"]) == 2
     assert "without an auxiliary head" in capsys.readouterr().err
+    assert main(["train", "--preset", "tiny", "--workdir", wd, "model=relf", "data.source=chatterbot",
+                 "train.steps=3", "train.progress=false", "data.seq_len=16", "flow.blind_spot=true"]) == 2
+    assert "resume it with flow.blind_spot=false" in capsys.readouterr().err
     lm = workflows.load_model(wd, "relf")
     before = workflows._relf_tokens._cache_size()
     for seed in range(3):

@@ -27,6 +27,14 @@ position's own evidence, the paper's loss alone leaves the trunk at the position
 (`relf-jax bench relf-toy`); a singular-free classifier makes it learn what each noisy token is,
 which the residual can then read from the neighbours. Sampling never uses the auxiliary head.
 
+Context loss (``context_loss``, our extension, with a blind-spot model: ``flow.blind_spot``): the
+cross-entropy is taken under softmax(c tanh(f / c)) alone, so the network learns the classifier
+p(x_i | Z_{-i}); sampling adds the singular logits as usual, and their sum is the exact log
+posterior when the classifier is exact (Z_i depends on x_i and its own noise only). Why: trained
+under the sum, the network gets no gradient wherever s already decides the token (high t), and
+that is where reading clean neighbours is learned (`relf-jax bench relf-toy`, variant
+``blind_spot``). The self-conditioning guess keeps the singular logits (the sampler's X1_hat).
+
 Prompt training (``prompt_prob`` > 0, our extension; the model needs ``flow_prompt_input``): in
 that share of rows a prefix of k tokens, k uniform in 1 .. n - 1 for a row of n text (non-pad) tokens, is
 given clean (Z = E[x], sc = E[x] when self-conditioning) and flagged `known`; the loss covers the
@@ -56,6 +64,9 @@ class FlowLossSettings:
     pad_id: int = -1  # the prefix is drawn within a row's text: its positions that are not pad
     aux_weight: float = 0.0  # weight of the auxiliary singular-free head's CE (model.flow_aux_head)
     per_position_t: float = 0.0  # share of rows whose positions draw independent times
+    # train the residual alone as the context classifier p(x_i | Z_{-i}) (a blind-spot model);
+    # sampling still adds the singular logits
+    context_loss: bool = False
 
 
 def prompt_prefix(key: jax.Array, mask: jax.Array, prob: float) -> jax.Array:
@@ -109,13 +120,13 @@ def make_flow_loss(settings: FlowLossSettings):
             z = jnp.where(known[..., None], x1, z)
             mask = mask * (~known)
 
-        def logits_of(f):
-            return posterior_logits(z, t, embeddings, f, c=s.residual_bound, use_singular=s.use_singular,
-                                    t_eps=s.t_eps)
+        def logits_of(f, singular=s.use_singular and not s.context_loss):
+            return posterior_logits(z, t, embeddings, f, c=s.residual_bound, use_singular=singular, t_eps=s.t_eps)
 
         zeros = jnp.zeros_like(z)
         use_sc = jax.random.bernoulli(k_sc, s.self_condition_prob, (b, 1, 1))
-        first = jax.lax.stop_gradient(logits_of(model(z, zeros, t, known)))
+        # the self-conditioning guess is the sampler's X1_hat: singular logits included
+        first = jax.lax.stop_gradient(logits_of(model(z, zeros, t, known), s.use_singular))
         sc_guess = posterior_mean(jax.nn.softmax(first, axis=-1), embeddings)
         if known is not None:  # as in prompted sampling: the prompt's X1_hat is the prompt itself
             sc_guess = jnp.where(known[..., None], x1, sc_guess)

@@ -11,7 +11,7 @@ z and sc are projected to the model width and added, together with a learned abs
 position embedding (rows are whole documents that start at position 0, and at small t the
 noisy input carries no position information that rotary attention could use); t enters every
 block through adaLN conditioning (a sinusoidal embedding followed by an MLP). Attention is
-bidirectional.
+bidirectional (in the blind-spot variant below, two causal streams, one per direction).
 
 With ``cfg.flow_prompt_input`` the network also takes ``known`` [B, L] bool: a learned vector is
 added at the positions that hold a clean prompt (z there is the token's embedding itself), so it
@@ -20,6 +20,16 @@ can tell a given token from a noisy one at the same time t (trained by `flow.pro
 With ``cfg.flow_aux_head`` a second output head (zero-initialised) reads the same final hidden
 state; `logits_and_aux` returns both. The flow loss trains it as a plain, singular-free token
 classifier (`flow.aux_weight`); samplers use `__call__` and never see it.
+
+With ``cfg.flow_blind_spot`` (our extension, `flow.blind_spot`) the residual at position i
+never depends on position i's own inputs (z_i, sc_i): ``num_layers / 2`` causal blocks run left
+to right and as many right to left over the same projected inputs; position i reads the left
+stream at i - 1 (inputs 0..i-1) and the right stream at i + 1 (inputs i+1..L-1), concatenated,
+projected, time-conditioned and passed through one MLP block. Trained as the classifier
+p(x_i | Z_{-i}) (`flow.losses`, ``context_loss``), its output added to the singular logits
+log p(Z_i | x_i) gives the exact posterior, since Z_i and Z_{-i} are independent given x_i.
+Self-conditioning still leaks a little of z_i through the neighbours' sc (each neighbour's
+X1_hat was computed from all of Z).
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ from flax import nnx
 
 from relf_jax.config import ModelConfig
 from relf_jax.models.causal_lm import DTYPES
-from relf_jax.models.layers import RMSNorm, TransformerBlock, bidirectional_mask, make_param
+from relf_jax.models.layers import RMSNorm, SwiGLU, TransformerBlock, bidirectional_mask, causal_mask, make_param
 from relf_jax.sharding import constrain
 
 TIME_FEATURES = 64
@@ -70,12 +80,26 @@ class FlowLM(nnx.Module):
                                   (TIME_FEATURES, d), (None, "embed"), pdtype)
         self.time_out = make_param(rngs, jax.nn.initializers.normal(stddev=d ** -0.5), (d, d),
                                    ("embed", None), pdtype)
-        self.blocks = nnx.List([
-            TransformerBlock(d, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim,
-                             rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps, cond_dim=d, rngs=rngs,
-                             dtype=dtype, param_dtype=pdtype)
-            for _ in range(cfg.num_layers)
-        ])
+        self.blind_spot = bool(cfg.flow_blind_spot)
+        if self.blind_spot and (cfg.num_layers < 2 or cfg.num_layers % 2):
+            raise ValueError(f"a blind-spot ReLF network splits model.num_layers between two streams: it needs an "
+                             f"even number >= 2, got {cfg.num_layers}")
+
+        def stack(n):
+            return nnx.List([
+                TransformerBlock(d, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim,
+                                 rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps, cond_dim=d, rngs=rngs,
+                                 dtype=dtype, param_dtype=pdtype)
+                for _ in range(n)
+            ])
+        # blind spot: `blocks` is the left-to-right stream, `blocks_bwd` the right-to-left one
+        self.blocks = stack(cfg.num_layers // 2 if self.blind_spot else cfg.num_layers)
+        if self.blind_spot:
+            self.blocks_bwd = stack(cfg.num_layers // 2)
+            self.combine_in = make_param(rngs, jax.nn.initializers.normal(stddev=(2 * d) ** -0.5), (2 * d, d),
+                                         (None, "embed"), pdtype)
+            self.combine_norm = RMSNorm(d, eps=cfg.norm_eps, rngs=rngs, param_dtype=pdtype)
+            self.combine_mlp = SwiGLU(d, cfg.mlp_dim, rngs=rngs, dtype=dtype, param_dtype=pdtype)
         self.final_norm = RMSNorm(d, eps=cfg.norm_eps, rngs=rngs, param_dtype=pdtype)
         self.out = make_param(rngs, jax.nn.initializers.zeros, (d, cfg.vocab_size), ("embed", "vocab"), pdtype)
         self.out_aux = (make_param(rngs, jax.nn.initializers.zeros, (d, cfg.vocab_size), ("embed", "vocab"), pdtype)
@@ -116,7 +140,26 @@ class FlowLM(nnx.Module):
         cond = jax.nn.silu(time_features(t) @ self.time_in[...].astype(jnp.float32))
         cond = cond @ self.time_out[...].astype(jnp.float32)
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+        if self.blind_spot:
+            return self._blind_spot_hidden(x, positions, cond)
         mask = bidirectional_mask(jnp.ones((b, length), bool), length)
         for block in self.blocks:
             x, _ = block(x, positions, mask, cond=cond)
         return self.final_norm(x).astype(jnp.float32)
+
+    def _blind_spot_hidden(self, x, positions, cond):
+        """Hidden state at i from the left stream at i - 1 (inputs 0..i-1) and the right stream at
+        i + 1 (inputs i+1..L-1): position i's own input never reaches it."""
+        fwd_mask = causal_mask(positions, positions)
+        bwd_mask = jnp.swapaxes(fwd_mask, 1, 2)
+        fwd, bwd = x, x
+        for block in self.blocks:
+            fwd, _ = block(fwd, positions, fwd_mask, cond=cond)
+        for block in self.blocks_bwd:
+            bwd, _ = block(bwd, positions, bwd_mask, cond=cond)
+        left = jnp.pad(fwd[:, :-1], ((0, 0), (1, 0), (0, 0)))
+        right = jnp.pad(bwd[:, 1:], ((0, 0), (0, 1), (0, 0)))
+        h = jnp.concatenate([left, right], axis=-1) @ self.combine_in[...].astype(left.dtype)
+        h = h + (cond[:, None, :] if cond.ndim == 2 else cond).astype(h.dtype)
+        h = h + self.combine_mlp(self.combine_norm(h)).astype(h.dtype)
+        return self.final_norm(h).astype(jnp.float32)
