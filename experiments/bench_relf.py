@@ -368,8 +368,12 @@ def targets(rows: Sequence[dict], budgets: Sequence[int], prompted: Sequence[dic
             r = _pick(rows, variant=name, nfe=nfe, method=method)
             base = _pick(rows, variant="relf", train_steps=full, nfe=nfe, reflow_rounds=0, method=method)
             if r is not None and base is not None:
+                ar_ppl, gap = ar_ppl_at_entropy([x for x in rows if x["variant"] == "ar" and x["train_steps"] == full],
+                                                r["entropy"])
                 ext[f"{name}_nfe{nfe}"] = {"gen_ppl_over_relf": _ratio(r["gen_ppl"], base["gen_ppl"]),
-                                           "entropy_delta": r["entropy"] - base["entropy"]}
+                                           "entropy_delta": r["entropy"] - base["entropy"],
+                                           "gen_ppl_over_ar_at_matched_entropy": _ratio(r["gen_ppl"], ar_ppl),
+                                           "entropy_outside_ar_sweep_nats": gap}
     if ext:
         out["extensions_vs_relf"] = ext
     marg = _pick(rows, variant="relf", train_steps=full, nfe=64, reflow_rounds=0, renoise="marginal")

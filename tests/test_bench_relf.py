@@ -53,6 +53,10 @@ def test_targets_ratios():
     assert t["extensions_vs_relf"]["aux_head_nfe64"]["gen_ppl_over_relf"] == pytest.approx(0.8)
     assert t["extensions_vs_relf"]["aux_head_nfe64"]["entropy_delta"] == pytest.approx(0.3)
     assert t["extensions_vs_relf"]["aux_head_nfe16"]["gen_ppl_over_relf"] == pytest.approx(0.5)
+    # and against AR at the same entropy (3.5: between the 10-step AR points, sqrt(20 * 80) * 2^0.5)
+    assert t["extensions_vs_relf"]["aux_head_nfe64"]["gen_ppl_over_ar_at_matched_entropy"] == pytest.approx(
+        40.0 / (40.0 * 2 ** 0.5))
+    assert t["extensions_vs_relf"]["aux_head_nfe64"]["entropy_outside_ar_sweep_nats"] == 0.0
 
 
 def test_targets_compare_relf_with_the_positional_unigram_reference():
