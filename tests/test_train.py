@@ -119,14 +119,15 @@ def test_resuming_with_other_model_settings_is_a_user_error(trained, tiny_model_
     with warnings.catch_warnings():
         warnings.simplefilter("error", CheckpointWarning)
         with pytest.raises(UserError, match=rf"model.mlp_dim={tiny_model_cfg.mlp_dim}, now {wider.mlp_dim}"):
-            train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=res.step + 2)), wider,
+            train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=max(steps) + 2)), wider,
                   next_token_loss, CountingBatches(), workdir=wd, tensorboard=False)
     assert Checkpointer(wd).steps() == steps  # nothing written
     # the compute dtype may change on resume: same parameters
     bf16 = dataclasses.replace(tiny_model_cfg, dtype="bfloat16")
-    out = train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=res.step + 1)), bf16,
+    latest = max(steps)  # other tests may have trained the shared fixture's run on
+    out = train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=latest + 1)), bf16,
                 next_token_loss, CountingBatches(), workdir=wd, tensorboard=False)
-    assert out.step == res.step + 1
+    assert out.step == latest + 1 and out.resumed_from == latest
 
 
 def _one_device_mesh():
