@@ -127,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--dws-predictor", default=None, help="sjf: a trained DWS surface predictor directory")
     sv.add_argument("--dws-cost-model", default=None, help="sjf: the cost model JSON (relf-jax bench dws output)")
     sv.add_argument("--k", type=int, default=4, help="speculative: drafts per round")
-    sv.add_argument("--proposer", default="draft", choices=["draft", "prompt_lookup"])
+    sv.add_argument("--proposer", default="draft", choices=["draft", "prompt_lookup", "corpus_ngram"])
     sv.add_argument("--draft", default=None, help="speculative: the draft's run directory (default <workdir>/draft)")
     sv.add_argument("--nsd-top-p", type=float, default=0.9)
     sv.add_argument("--nfe", type=int, default=None, help="relf: network calls per reply")

@@ -185,9 +185,11 @@ class SpeculativeConfig:
 
     rule: Literal["none", "standard", "nsd", "greedy"] = "none"
     k: int = 4
-    proposer: Literal["draft", "prompt_lookup"] = "draft"
+    proposer: Literal["draft", "prompt_lookup", "corpus_ngram"] = "draft"
     nsd_top_p: float = 0.9
-    ngram: int = 3
+    ngram: int = 3  # prompt lookup: longest n-gram to match
+    corpus_order: int = 3  # corpus_ngram: contexts of up to order - 1 tokens
+    corpus_top_m: int = 16  # corpus_ngram: next tokens kept per context
     draft: str = ""  # draft run directory; empty: <workdir>/draft
 
 
@@ -254,6 +256,8 @@ class Config:
         _check(sp.k >= 1, f"speculative.k must be >= 1, got {sp.k}")
         _check(0 < sp.nsd_top_p <= 1, f"speculative.nsd_top_p must be in (0, 1], got {sp.nsd_top_p}")
         _check(sp.ngram >= 1, f"speculative.ngram must be >= 1, got {sp.ngram}")
+        _check(sp.corpus_order >= 2, f"speculative.corpus_order must be >= 2, got {sp.corpus_order}")
+        _check(sp.corpus_top_m >= 1, f"speculative.corpus_top_m must be >= 1, got {sp.corpus_top_m}")
         for name in ("data", "fsdp", "tensor"):
             v = getattr(self.mesh, name)
             _check(v == -1 or v > 0, f"mesh.{name} must be -1 or > 0, got {v}")

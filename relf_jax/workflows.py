@@ -493,6 +493,33 @@ def _ar_batch(lm: LoadedModel, sc: SampleConfig):
     return run
 
 
+NGRAM_DOCS = 20_000
+
+
+def corpus_ngram_table(lm: LoadedModel, order: int = 3, top_m: int = 16):
+    """The corpus n-gram draft (`relf_jax.speculative.ngram_draft`) of `lm`'s training data.
+
+    Counted over (up to 20k) training documents of the run's configured source, tokenized with
+    the model's tokenizer; saved as ``<model dir>/ngram_draft_o<order>_m<top_m>.npz`` and read
+    back from there (a read-only model directory just rebuilds it, a few seconds).
+    """
+    from relf_jax.speculative import ngram_draft
+
+    path = os.path.join(lm.model_dir, f"ngram_draft_o{order}_m{top_m}.npz")
+    if os.path.exists(path):
+        table = ngram_draft.NgramDraft.load(path)
+        if table.vocab_size == lm.model_cfg.vocab_size:
+            return table
+    tok = lm.tokenizer
+    builder = prepare_data(lm.cfg)
+    rows = [[tok.bos_id] + tok.encode(t) + [tok.eos_id]
+            for t in itertools.islice(sources.iter_texts(builder, "train"), NGRAM_DOCS)]
+    table = ngram_draft.build_ngram_draft(rows, lm.model_cfg.vocab_size, order=order, top_m=top_m)
+    if jax.process_index() == 0 and os.access(lm.model_dir, os.W_OK):
+        table.save(path)
+    return table
+
+
 def _spec_batch(lm: LoadedModel, sc: SampleConfig, spc: SpeculativeConfig, draft: Optional[LoadedModel]):
     from relf_jax.speculative import generate as spec
 
@@ -500,11 +527,12 @@ def _spec_batch(lm: LoadedModel, sc: SampleConfig, spc: SpeculativeConfig, draft
                                  eos_id=lm.tokenizer.eos_id, pad_id=lm.tokenizer.pad_id, ngram=spc.ngram,
                                  top_k=sc.top_k)
     params = spec.SpecParams.make(sc.temperature, sc.top_p, spc.nsd_top_p)
+    table = corpus_ngram_table(lm, spc.corpus_order, spc.corpus_top_m) if spc.proposer == "corpus_ngram" else None
 
     def run(arr, lens, key):
         state = spec.generate(lm.graphdef, lm.params, arr, lens, key, params, settings,
                               draft_graphdef=draft.graphdef if draft else None,
-                              draft_params=draft.params if draft else None)
+                              draft_params=draft.params if draft else table)
         return state.tokens, state.lengths, state
 
     return run
@@ -526,7 +554,7 @@ def sample(lm: LoadedModel, prompts: Optional[Sequence[str]] = None, n: Optional
 
     prompts: texts to continue (default: `n` empty prompts, i.e. unconditional conversations).
     speculative: a `SpeculativeConfig` with rule != "none" decodes with a draft model (`draft`,
-    for proposer "draft") or prompt lookup. With `warmup`, the batch shape is compiled before
+    for proposer "draft"), prompt lookup or the corpus n-gram table (`corpus_ngram_table`). With `warmup`, the batch shape is compiled before
     the clock starts.
     """
     sc = sample_cfg or lm.cfg.sample

@@ -151,7 +151,8 @@ def load_engine(workdir: str, generator: str = "ar", *, slots: int = 8, k: int =
     """An engine over the checkpoint in `workdir` (the ``<workdir>/<family>`` layout of `relf-jax train`).
 
     generator: "ar"; "standard" / "nsd" / "greedy" (speculative, with `proposer` "draft" (the
-    model in `draft`, default ``<workdir>/draft``) or "prompt_lookup", `k` drafts per round);
+    model in `draft`, default ``<workdir>/draft``), "prompt_lookup" or "corpus_ngram" (next-token
+    statistics of the training data, `workflows.corpus_ngram_table`), `k` drafts per round);
     "bd" (block diffusion, `threshold`); "relf" (`nfe` steps). `steps_per_call`: AR tokens or
     speculative rounds per engine call (`relf_jax.serving.engines._check_steps_per_call`;
     None: `STEPS_PER_CALL`). `max_context` (AR and speculative; the others ignore it, as AR
@@ -172,7 +173,9 @@ def load_engine(workdir: str, generator: str = "ar", *, slots: int = 8, k: int =
     lm = workflows.load_model(workdir, "ar")
     if generator == "ar":
         return E.AREngine(lm, slots, top_k=top_k, steps_per_call=_or(steps_per_call, "ar"), max_context=max_context)
-    dm = None
+    dm = table = None
+    if proposer == "corpus_ngram":
+        table = workflows.corpus_ngram_table(lm)
     if proposer == "draft":
         path = draft or os.path.join(workdir, "draft")
         dm = workflows.load_model(path, "ar")
@@ -180,7 +183,7 @@ def load_engine(workdir: str, generator: str = "ar", *, slots: int = 8, k: int =
             raise UserError(f"the draft in {path} uses another tokenizer than the target")
     return E.SpeculativeEngine(lm, dm, slots, rule=generator, k=k, proposer=proposer, nsd_top_p=nsd_top_p,
                                steps_per_call=_or(steps_per_call, "speculative"),
-                               name=f"spec-{generator}", max_context=max_context)
+                               name=f"spec-{generator}", max_context=max_context, ngram_table=table)
 
 
 class ChatModel:

@@ -380,18 +380,22 @@ class SpeculativeEngine(Engine):
     """One draft/verify round per step per slot (`relf_jax.speculative.generate`'s round).
 
     rule: "standard" (exact), "nsd" (nucleus relaxation, `nsd_top_p`) or "greedy"; proposer:
-    "draft" (needs `draft`, a loaded AR model with the same tokenizer) or "prompt_lookup".
+    "draft" (needs `draft`, a loaded AR model with the same tokenizer), "prompt_lookup" or
+    "corpus_ngram" (needs `ngram_table`, an `NgramDraft` built from the target's training data).
     """
 
     def __init__(self, lm, draft=None, num_slots: int = 8, *, rule: str = "nsd", k: int = 4,
                  proposer: str = "draft", nsd_top_p: float = 0.9, ngram: int = 3, steps_per_call: int = 1,
-                 name: str | None = None, max_context: int | None = None):
+                 name: str | None = None, max_context: int | None = None, ngram_table=None):
         from relf_jax.speculative import generate as spec
 
         if num_slots < 1:
             raise UserError(f"num_slots must be >= 1, got {num_slots}")
         if proposer == "draft" and draft is None:
             raise UserError("the speculative engine with proposer 'draft' needs a draft model")
+        if proposer == "corpus_ngram":
+            spec.check_ngram_table(ngram_table, lm.model_cfg.vocab_size)
+        self.ngram_table = ngram_table if proposer == "corpus_ngram" else None
         self._spec = spec
         self.lm, self.draft, self.num_slots = lm, (draft if proposer == "draft" else None), num_slots
         self.rule, self.k, self.proposer, self.nsd_top_p, self.ngram = rule, k, proposer, nsd_top_p, ngram
@@ -425,7 +429,8 @@ class SpeculativeEngine(Engine):
         return self._spec.SpecParams(np.float32(p.temperature), np.float32(p.top_p), np.float32(self.nsd_top_p))
 
     def _draft_parts(self):
-        return (self.draft.graphdef, self.draft.params) if self.draft is not None else (None, None)
+        """(graphdef, params) of the draft model, or (None, the n-gram table or None)."""
+        return (self.draft.graphdef, self.draft.params) if self.draft is not None else (None, self.ngram_table)
 
     def init_state(self):
         return _free_slots(self, _Held(_stack_slots(self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data,
@@ -499,8 +504,7 @@ class SpeculativeEngine(Engine):
 
     def generate(self, state):
         t0 = time.perf_counter()
-        dp = self.draft.params if self.draft is not None else None
-        slots, out = self._jit_step(self.lm.params, dp, state.slots, nucleus=bool(state.nucleus))
+        slots, out = self._jit_step(self.lm.params, self._draft_parts()[1], state.slots, nucleus=bool(state.nucleus))
         state = dataclasses.replace(state, slots=slots)
         out = np.asarray(out).tolist()  # one device-to-host copy; Python ints from here on
         model_s = time.perf_counter() - t0

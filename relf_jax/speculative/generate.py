@@ -2,8 +2,9 @@
 
 Each round, for every row of the batch at once:
 
-1. the proposer drafts K tokens (a small AR draft model run as a ``lax.scan``, or prompt
-   lookup: copy what followed the latest earlier occurrence of the context's last n-gram);
+1. the proposer drafts K tokens (a small AR draft model run as a ``lax.scan``; prompt
+   lookup: copy what followed the latest earlier occurrence of the context's last n-gram; or
+   a corpus n-gram table, `relf_jax.speculative.ngram_draft`, sampled like a draft model);
 2. the target scores the last committed token and the K drafts in ONE forward pass
    (K + 1 positions);
 3. `verify` (standard / NSD / greedy rule) keeps a prefix of n drafts and emits one more
@@ -34,10 +35,11 @@ from relf_jax.config import validate_sampling
 from relf_jax.errors import UserError
 from relf_jax.models.causal_lm import init_cache
 from relf_jax.sampling import processors
+from relf_jax.speculative import ngram_draft
 from relf_jax.speculative.trace import empty_trace, record_round
 from relf_jax.speculative.verify import RULES, verify
 
-PROPOSERS = ("draft", "prompt_lookup")
+PROPOSERS = ("draft", "prompt_lookup", "corpus_ngram")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +93,7 @@ class SpecState:
     done: jax.Array  # [B]
     num_generated: jax.Array  # [B]
     target_cache: tuple
-    draft_cache: tuple  # () for prompt lookup
+    draft_cache: tuple  # () for prompt lookup and the corpus n-gram table
     key: jax.Array
     rounds: jax.Array  # scalar: rounds run
     target_forwards: jax.Array  # [B] target forward passes while the row was active (prefill included)
@@ -171,6 +173,24 @@ def _propose_lookup(state: SpecState, settings: SpecSettings, vocab: int):
     return draft_tokens, draft_logits
 
 
+def _propose_ngram(table: ngram_draft.NgramDraft, state: SpecState, sp: SpecParams, settings: SpecSettings, key):
+    """K tokens [B, K] drawn one after another from the corpus n-gram table, and its logits [B, K, V]."""
+    c = table.order - 1
+    lengths = state.lengths
+    ctx = _take(state.tokens, lengths[:, None] - c + jnp.arange(c)[None, :])
+    valid = jnp.minimum(lengths, c)
+    keys = jax.random.split(key, settings.k)
+    toks, lgs = [], []
+    for i in range(settings.k):
+        lg = ngram_draft.next_logits(table, ctx, valid)
+        tok = processors.sample(lg, keys[i], _temperature(sp, settings), settings.top_k, sp.top_p)
+        toks.append(tok)
+        lgs.append(lg)
+        ctx = jnp.concatenate([ctx[:, 1:], tok[:, None]], axis=1)
+        valid = jnp.minimum(valid + 1, c)
+    return jnp.stack(toks, axis=1), jnp.stack(lgs, axis=1)
+
+
 def _round(target_graphdef, target_params, draft_graphdef, draft_params, state: SpecState, sp: SpecParams,
            settings: SpecSettings) -> SpecState:
     k = settings.k
@@ -179,6 +199,9 @@ def _round(target_graphdef, target_params, draft_graphdef, draft_params, state: 
     if settings.proposer == "draft":
         draft_tokens, draft_logits, draft_cache = _propose_draft(draft_graphdef, draft_params, state, sp, settings,
                                                                  k_draft)
+    elif settings.proposer == "corpus_ngram":
+        draft_tokens, draft_logits = _propose_ngram(draft_params, state, sp, settings, k_draft)
+        draft_cache = state.draft_cache
     else:
         vocab = nnx.merge(target_graphdef, target_params).cfg.vocab_size
         draft_tokens, draft_logits = _propose_lookup(state, settings, vocab)
@@ -269,13 +292,25 @@ def generate(target_graphdef, target_params, prompts: jax.Array, prompt_lengths:
     """Speculative sampling of up to ``settings.max_new_tokens`` tokens after each prompt.
 
     prompts: [B, P] int32 left-aligned and padded; prompt_lengths: [B]. The draft model (same
-    tokenizer as the target) is needed for ``proposer="draft"``. Returns the final `SpecState`:
+    tokenizer as the target) is needed for ``proposer="draft"``; ``proposer="corpus_ngram"`` takes
+    an `NgramDraft` table as `draft_params` (draft_graphdef None). Returns the final `SpecState`:
     ``tokens[b, prompt_lengths[b]:lengths[b]]`` is row b's reply; `stats` summarises it.
     """
     if settings.proposer == "draft" and draft_graphdef is None:
         raise UserError("proposer 'draft' needs a draft model (draft_graphdef, draft_params)")
+    if settings.proposer == "corpus_ngram":
+        check_ngram_table(draft_params, nnx.merge(target_graphdef, target_params).cfg.vocab_size)
     return _generate(target_graphdef, target_params, draft_graphdef, draft_params, prompts, prompt_lengths, key,
                      sp, settings)
+
+
+def check_ngram_table(table, vocab_size: int) -> None:
+    """A clear error unless `table` is an `NgramDraft` over the target's vocabulary."""
+    if not isinstance(table, ngram_draft.NgramDraft):
+        raise UserError("proposer 'corpus_ngram' needs an NgramDraft table as draft_params "
+                        "(relf_jax.speculative.ngram_draft.build_ngram_draft)")
+    if table.vocab_size != vocab_size:
+        raise UserError(f"the n-gram table covers {table.vocab_size} tokens, the target {vocab_size}")
 
 
 def stats(state: SpecState) -> dict:
