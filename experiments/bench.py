@@ -3,8 +3,8 @@
 Composition only. Every row of a benchmark is measured in the same process, one after the
 other, on the same prompts, so ratios between rows are meaningful on a noisy machine.
 
-- ``bench spec``: AR vs speculative decoding (standard / NSD / greedy rules, draft-model and
-  prompt-lookup proposers) at batch 1 and 8, temperature 1.0 and 0.7: tokens/s, tau (tokens
+- ``bench spec``: AR vs speculative decoding (standard / NSD / greedy rules, draft-model,
+  prompt-lookup and corpus n-gram proposers) at batch 1 and 8, temperature 1.0 and 0.7: tokens/s, tau (tokens
   per target forward) and, for quality, gen PPL (exact judge, replies scored given their
   prompts) and entropy; plus the target's forward cost over K + 1 tokens relative to one token
   (`target_forward_cost`), which decides whether speculation can pay on this hardware.
@@ -71,7 +71,7 @@ def bench_spec(out: str, quick: bool = False, workdir: Optional[str] = None, ove
     prompts = held_out_prompts(cfg, n_prompts)
     k = 4
     variants = [("ar", "none", "-", None)]
-    for proposer in ("draft", "prompt_lookup"):
+    for proposer in ("draft", "prompt_lookup", "corpus_ngram"):
         variants += [("speculative", "standard", proposer, None), ("speculative", "greedy", proposer, None)]
         for nsd in ((0.8, 0.9, 0.95) if proposer == "draft" else (0.9,)):
             variants.append(("speculative", "nsd", proposer, nsd))
@@ -121,7 +121,13 @@ def _spec_ratios(rows) -> dict:
             std = _find(rows, rule="standard", proposer="draft", **base)
             nsd = _find(rows, rule="nsd", proposer="draft", nsd_top_p=0.9, **base)
             key = f"b{batch}_T{temperature}"
-            out[key] = {
+            ngram = {}
+            for rule in ("standard", "nsd"):
+                r = _find(rows, rule=rule, proposer="corpus_ngram", **base)
+                if r is not None:
+                    ngram[f"ngram_{rule}_over_ar_tokens_per_s"] = r["tokens_per_s"] / ar_row["tokens_per_s"]
+                    ngram[f"ngram_{rule}_gen_ppl_over_ar"] = r["gen_ppl"] / ar_row["gen_ppl"]
+            out[key] = {**ngram,
                 "standard_over_ar_tokens_per_s": std["tokens_per_s"] / ar_row["tokens_per_s"],
                 "nsd0.9_over_standard_tau": nsd["tau"] / std["tau"],
                 "nsd0.9_over_standard_tokens_per_s": nsd["tokens_per_s"] / std["tokens_per_s"],

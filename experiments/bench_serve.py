@@ -10,7 +10,7 @@ a run reports p50/p99 of each, the mean latency, output tokens/s over the run, a
 Three comparisons, each side by side in one run:
 
 1. **AR vs NSD speculative engines** (same model, `slots` slots, FCFS; NSD with its distilled
-   draft and with the prompt-lookup proposer): the same request stream at several rates,
+   draft, with the prompt-lookup proposer and with the corpus n-gram table): the same request stream at several rates,
    multiples of the AR engine's batch-1 request rate; reports each NSD / AR ratio of output
    tokens/s at each rate, and the replies' quality (NSD is lossy): gen PPL of each reply given
    its prompt under the exact `synthetic_chat` judge, entropy, length.
@@ -71,7 +71,8 @@ class ServeBenchSizes:
 # the engines compared on one request stream: name -> `relf-jax serve` arguments
 SPEC_ENGINES = (("ar", ["--generator", "ar"]),
                 ("nsd", ["--generator", "nsd", "--proposer", "draft"]),
-                ("nsd_lookup", ["--generator", "nsd", "--proposer", "prompt_lookup"]))
+                ("nsd_lookup", ["--generator", "nsd", "--proposer", "prompt_lookup"]),
+                ("nsd_ngram", ["--generator", "nsd", "--proposer", "corpus_ngram"]))
 
 QUICK = ServeBenchSizes(preset="tiny", requests=48, rate_factors=(1.0, 8.0), batch1_requests=8, dws_requests=48,
                         dws_loads=(1.2,), dws_reps=1, max_tokens=32, dws_max_tokens=48)

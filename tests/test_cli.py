@@ -112,6 +112,25 @@ def test_sample_and_stream(capsys, cb_run):
     assert rc == 0 and out.strip()
 
 
+def test_corpus_ngram_proposer_from_the_command_line_and_the_engine(capsys, cb_run):
+    """`speculative.proposer=corpus_ngram` counts the run's training data once, saves the table
+    next to the model, and the serving engine reads the same table."""
+    import glob
+
+    from relf_jax.serving.chat import load_engine
+
+    rc, out, err = _run(capsys, "sample", "--workdir", cb_run, "--prompt", "<user> hello <assistant>",
+                        "sample.max_new_tokens=8", "sample.num_samples=2", "speculative.rule=standard",
+                        "speculative.proposer=corpus_ngram", "speculative.corpus_order=2")
+    assert rc == 0 and out.strip() and "per target forward" in err, err
+    assert [os.path.basename(p) for p in glob.glob(os.path.join(cb_run, "**", "ngram_draft_*.npz"),
+                                                   recursive=True)] == ["ngram_draft_o2_m16.npz"]
+    eng = load_engine(cb_run, "nsd", proposer="corpus_ngram", slots=1)
+    assert eng.ngram_table.order == 3 and eng.ngram_table.vocab_size == eng.lm.model_cfg.vocab_size
+    rc, _, err = _run(capsys, "sample", "--workdir", cb_run, "speculative.rule=nsd", "speculative.corpus_order=1")
+    _one_line_error(rc, err, "corpus_order")
+
+
 def test_checkpoint_of_another_family(capsys, cb_run, tmp_path):
     """A workdir whose checkpoint holds a different model family is refused by name."""
     from relf_jax.checkpoint import Checkpointer

@@ -80,14 +80,19 @@ def test_ar_engine_matches_the_sampler_per_request(steps_per_call):
 
 
 @pytest.mark.parametrize("rule,proposer,steps_per_call", [
-    ("nsd", "draft", 1), ("nsd", "draft", 2), pytest.param("standard", "prompt_lookup", 1, marks=pytest.mark.slow)])
+    ("nsd", "draft", 1), ("nsd", "draft", 2), ("standard", "corpus_ngram", 1),
+    pytest.param("standard", "prompt_lookup", 1, marks=pytest.mark.slow)])
 def test_speculative_engine_matches_the_sampler_per_request(rule, proposer, steps_per_call):
     from relf_jax.sampling import autoregressive as ar
     from relf_jax.speculative import generate as spec
+    from relf_jax.speculative.ngram_draft import build_ngram_draft
 
     lm, draft = tiny_lm("ar", 0, max_seq_len=64), tiny_lm("ar", 1, max_seq_len=64)
+    table = build_ngram_draft(PROMPTS, lm.model_cfg.vocab_size) if proposer == "corpus_ngram" else None
+    draft = draft if proposer == "draft" else None
     k, rounds = 3, 4
-    eng = E.SpeculativeEngine(lm, draft, 2, rule=rule, k=k, proposer=proposer, steps_per_call=steps_per_call)
+    eng = E.SpeculativeEngine(lm, draft, 2, rule=rule, k=k, proposer=proposer, steps_per_call=steps_per_call,
+                              ngram_table=table)
     jobs = [(0, PROMPTS[0], E.RequestParams(40, 1.0, seed=3), 0),
             (1, PROMPTS[2], E.RequestParams(40, 1.0, top_p=0.8, seed=4), 1)]  # top-p joins a round later
     out = _run(eng, jobs, steps=rounds + 1)
@@ -97,7 +102,8 @@ def test_speculative_engine_matches_the_sampler_per_request(rule, proposer, step
                                      pad_id=0)
         st = spec.generate(lm.graphdef, lm.params, arr, lens, jax.random.key(p.seed),
                            spec.SpecParams.make(p.temperature, p.top_p), settings,
-                           draft_graphdef=draft.graphdef, draft_params=draft.params)
+                           draft_graphdef=draft.graphdef if draft else None,
+                           draft_params=draft.params if draft else table)
         # the same rounds: compare what both produced in the rounds the engine ran
         n = len(out[slot])
         got = np.asarray(st.tokens)[0, len(prompt):len(prompt) + n].tolist()
