@@ -1,5 +1,7 @@
 """`relf-jax demo`: train the `cpu` AR model (plus a distilled draft, an RCSD-trained copy of
-it, a ReLF flow model and a block-diffusion model) on the built-in corpus, sample, measure, report.
+it, a ReLF flow model and a block-diffusion model) on the built-in corpus, sample (AR,
+speculative with the draft and with the corpus n-gram table, ReLF, block diffusion), measure,
+report.
 
 Composition only: every step is a `relf_jax.workflows` call a Colab user can make too. Writes
 ``report.json``, ``report.md`` and PNG plots into the workdir; a second run reuses the data,
@@ -77,11 +79,14 @@ def run_demo(quick: bool = False, workdir: Optional[str] = None, overrides: Sequ
     # speculative decoding with a distilled draft (trained once, cached in <workdir>/draft)
     workflows.train_draft(cfg.workdir, [f"train.steps={max(1, cfg.train.steps // 2)}"])
     draft = workflows.load_model(os.path.join(cfg.workdir, "draft"), "ar")
-    for rule in ("standard", "nsd"):
-        spc = SpeculativeConfig(rule=rule, k=4, nsd_top_p=0.9)
-        s = workflows.sample(lm, sample_cfg=dataclasses.replace(sc, temperature=1.0), speculative=spc, draft=draft)
+    # ... and NSD with the corpus n-gram table (no draft network: next-token counts of the data)
+    for rule, proposer in (("standard", "draft"), ("nsd", "draft"), ("nsd", "corpus_ngram")):
+        spc = SpeculativeConfig(rule=rule, k=4, nsd_top_p=0.9, proposer=proposer)
+        s = workflows.sample(lm, sample_cfg=dataclasses.replace(sc, temperature=1.0), speculative=spc,
+                             draft=draft if proposer == "draft" else None)
         q = workflows.evaluate_samples(s, judge)
-        rows.append({"method": f"spec {rule}" + (" p=0.9" if rule == "nsd" else "") + " k=4",
+        rows.append({"method": f"spec {rule}" + (" p=0.9" if rule == "nsd" else "") + " k=4"
+                     + (" corpus n-gram" if proposer == "corpus_ngram" else ""),
                      "nfe": round(s.target_forwards / len(s.texts), 1), "gen_ppl": q["gen_ppl"],
                      "entropy": q["entropy"], "tokens_per_s": q["tokens_per_s"], "tau": s.tau,
                      "distinct_2": q["distinct_2"], "mean_tokens": q["mean_tokens"]})

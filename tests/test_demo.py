@@ -19,6 +19,8 @@ def test_demo_quick_writes_report_and_reuses_its_cache(tmp_path, capsys):
     assert methods[0] == "data" and any(m.startswith("ar ") for m in methods)
     assert any(m.startswith("spec standard") for m in methods) and any(m.startswith("spec nsd") for m in methods)
     assert "spec nsd p=0.9 k=4 rcsd draft" in methods
+    assert "spec nsd p=0.9 k=4 corpus n-gram" in methods
+    assert os.path.exists(os.path.join(wd, "ar", "ngram_draft_o3_m16.npz"))
     assert json.load(open(os.path.join(wd, "rcsd", "progress.json")))["trained"] == 2
     assert {"relf stochastic", "relf euler", "relf euler reflow2"} <= set(methods)
     assert any(m.startswith("block diffusion d=8") for m in methods)

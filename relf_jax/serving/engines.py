@@ -8,7 +8,8 @@ was cancelled is released with `free` and may be reused at once.
 
 - `AREngine`: one token per step (the sampler of `relf_jax.sampling.autoregressive`).
 - `SpeculativeEngine`: one draft/verify round per step, 1..k+1 tokens (the round of
-  `relf_jax.speculative.generate`; standard / NSD / greedy rule, draft model or prompt lookup).
+  `relf_jax.speculative.generate`; standard / NSD / greedy rule; draft model, prompt lookup or
+  the corpus n-gram table).
   These two may run several steps per `generate` call (``steps_per_call``, one jitted loop).
 - `BlockDiffusionEngine`: one committed block per step (confidence-threshold decoding of
   `relf_jax.dws.decoding`).
