@@ -242,3 +242,28 @@ def test_a_smaller_max_context_shrinks_the_cache_not_the_tokens():
         for bad in (1, 65, 2.5):
             with pytest.raises(UserError, match="max_context"):
                 make(max_context=bad)
+
+
+def test_few_busy_slots_step_alone_with_the_same_tokens():
+    """With few slots occupied the engines step only those (padded to a power of two with free
+    ones); every request's tokens are the same as when all slots step."""
+    from relf_jax.speculative.ngram_draft import build_ngram_draft
+
+    held = E._Held(slots=None, occupied=frozenset({5, 1, 6}))
+    assert E._subset(held, 8).tolist() == [1, 5, 6, 0]
+    assert E._subset(E._Held(None, occupied=frozenset({3})), 8).tolist() == [3]
+    assert E._subset(E._Held(None, occupied=frozenset(range(5))), 8) is None
+    assert E._subset(E._Held(None, occupied=frozenset({0})), 1) is None
+    lm = tiny_lm("ar", 0, max_seq_len=64)
+    table = build_ngram_draft(PROMPTS, lm.model_cfg.vocab_size)
+    jobs = [(5, PROMPTS[0], E.RequestParams(12, 1.0, seed=3), 0), (1, PROMPTS[1], E.RequestParams(12, 1.0, seed=4), 1),
+            (6, PROMPTS[2], E.RequestParams(12, 1.0, top_p=0.9, seed=5), 1)]
+    for make in (lambda: E.AREngine(lm, 8, steps_per_call=2),
+                 lambda: E.SpeculativeEngine(lm, None, 8, rule="standard", k=2, proposer="corpus_ngram",
+                                             ngram_table=table)):
+        outs = []
+        for compact in (True, False):
+            eng = make()
+            eng.compact = compact
+            outs.append(_run(eng, jobs, steps=6))
+        assert outs[0] == outs[1] and all(len(t) > 1 for t in outs[0].values())
