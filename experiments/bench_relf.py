@@ -14,7 +14,11 @@ conversations (unconditional, up to ``seq_len`` tokens) from both:
   and a guidance-scale sweep (1, 1.3, 1.7, 2.5) on the full-budget model;
 - our extensions (`EXTENSIONS`, full budget, 64-NFE stochastic and 16-NFE Euler): the
   auxiliary singular-free head (``flow.aux_weight=1``, variant ``aux_head``), a time per
-  position in half the training rows (``flow.per_position_t=0.5``), and both;
+  position in half the training rows (``flow.per_position_t=0.5``), both, and the blind-spot
+  network (``flow.blind_spot=true``). The blind-spot model (`REFLOW_EXTENSIONS`) also gets the
+  8 / 32-NFE Euler rows and two reflow rounds with the same rows after each, and the reflow
+  targets are restated for it (``blind_spot_...``): the plain model's samples are about as good
+  at 8 NFE as at 64, so reflow has nothing to straighten there;
 - latency of one sequence of ``seq_len`` tokens at batch 1 and 64: AR with its KV cache vs
   ReLF at 16 NFE, and their ratio;
 - straightness of each reflow round's coupling before and after training on it;
@@ -27,7 +31,8 @@ conversations (unconditional, up to ``seq_len`` tokens) from both:
   prompt held clean; that model's unconditional rows too (variant ``prompt_training``).
 
 Rows carry ``method, nfe, reflow_rounds, gen_ppl, entropy, latency_s, batch`` (+ the budget
-and variant); ``targets`` restates the issue's targets as measured ratios.
+and variant), each over `num_samples` samples; ``targets`` restates the issue's targets as
+measured ratios.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ ABLATIONS = {"no_singular": ["flow.use_singular=false"], "gaussian_embeddings": 
 EXTENSIONS = {"aux_head": ["flow.aux_weight=1"], "per_position_t": ["flow.per_position_t=0.5"],
               "aux_head_per_position_t": ["flow.aux_weight=1", "flow.per_position_t=0.5"],
               "blind_spot": ["flow.blind_spot=true"]}
+# extensions that also get two reflow rounds (and the 8 / 16 / 32-NFE Euler rows before and after)
+REFLOW_EXTENSIONS = ("blind_spot",)
 
 
 def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = ()) -> dict:
@@ -69,12 +76,14 @@ def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overri
     builder = workflows.prepare_data(base)
     tok = workflows.prepare_tokenizer(base, builder)
     judge = workflows.exact_judge(base)
-    n = 32 if quick else 64
+    # samples per row: at 64, four seeds of one row (the blind-spot model, 8-NFE Euler) gave gen
+    # PPL 473-559, too wide for the 20 % reflow target; at 256 two seeds gave 523 and 526
+    n = 32 if quick else 256
     temps = QUICK_AR_TEMPERATURES if quick else AR_TEMPERATURES
     full = base.train.steps
     budgets = (full, max(1, full // 2))
     t0 = time.perf_counter()
-    rows, straight, prompted = [], [], []
+    rows, straight, prompted, straight_ext = [], [], [], {}
 
     def record(row):
         rows.append(row)
@@ -129,7 +138,15 @@ def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overri
             workflows.train_lm(make_config(preset, [*overrides, f"train.steps={steps}", "model=relf", *extra],
                                            workdir=ewd))
             elm = workflows.load_model(os.path.join(ewd, "relf"), "relf")
-            _relf_rows(record, elm, judge, n, steps, rounds=0, variant=name, nfes=(16,))
+            if name not in REFLOW_EXTENSIONS:
+                _relf_rows(record, elm, judge, n, steps, rounds=0, variant=name, nfes=(16,))
+                continue
+            _relf_rows(record, elm, judge, n, steps, rounds=0, variant=name)
+            straight_ext[name] = workflows.reflow(ewd, rounds=2, num_pairs=64 if quick else 512,
+                                                  steps=max(1, steps // 2))
+            for r in (1, 2):
+                rlm = workflows.load_model(os.path.join(ewd, f"relf_reflow{r}"), "relf")
+                _relf_rows(record, rlm, judge, n, steps, rounds=r, variant=name)
         from experiments.bench import held_out_prompts
         prompted = prompted_rows(ar_lm, lm, plm, judge, held_out_prompts(cfg, 16 if quick else 128), steps=steps)
         straight = workflows.reflow(wd, rounds=2, num_pairs=64 if quick else 512, steps=max(1, steps // 2))
@@ -141,7 +158,7 @@ def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overri
     report = {"preset": preset, "complete": True, "num_samples": n, "budgets_steps": list(budgets),
               "tokens_per_step": base.train.batch_size * base.data.seq_len, "rows": rows,
               "latency": latency["rows"], "latency_ratio_ar_over_relf16": latency["ratio"],
-              "straightness": straight, "prompted": prompted, "targets": targets(rows, budgets, prompted),
+              "straightness": straight, "straightness_extensions": straight_ext, "prompted": prompted, "targets": targets(rows, budgets, prompted),
               "judge": judge.name,
               "wall_s": time.perf_counter() - t0}
     _write_json(out, report)
@@ -311,6 +328,40 @@ def _ratio(a, b):
     return None if a is None or b is None else a / b
 
 
+def _reflow_targets(rows: Sequence[dict], variant: str, steps: int, prefix: str) -> dict:
+    """The reflow targets of one model (`variant` at `steps`), keys starting with `prefix`:
+    16-NFE Euler after two rounds over the pre-reflow 64-NFE row nearest its entropy, the 8-NFE
+    Euler gen PPL reduction from two rounds, and per round the few-step gap (8-NFE Euler over
+    64-NFE stochastic gen PPL: what straightening should close)."""
+    def row(nfe, rounds, method=None):
+        return _pick(rows, variant=variant, train_steps=steps, nfe=nfe, reflow_rounds=rounds,
+                     **({"method": method} if method else {}))
+
+    e16, e8_pre, e8_post = row(16, 2, "relf euler"), row(8, 0, "relf euler"), row(8, 2, "relf euler")
+    pre64 = [r for r in rows if r["variant"] == variant and r["train_steps"] == steps and r["nfe"] == 64
+             and r["reflow_rounds"] == 0]
+    if e16 is None or e8_pre is None or e8_post is None or not pre64:
+        return {}
+    near = min(pre64, key=lambda r: abs(r["entropy"] - e16["entropy"]))
+    out = {f"{prefix}reflow2_euler16_over_pre_stochastic64_gen_ppl": {
+        "ratio": _ratio(e16["gen_ppl"], near["gen_ppl"]), "entropy_delta": e16["entropy"] - near["entropy"],
+        "target": "<= 1.10"},
+        f"{prefix}reflow2_euler8_gen_ppl_reduction": {
+        "reduction": None if _ratio(e8_post["gen_ppl"], e8_pre["gen_ppl"]) is None
+        else 1.0 - e8_post["gen_ppl"] / e8_pre["gen_ppl"], "before": e8_pre["gen_ppl"],
+        "after": e8_post["gen_ppl"], "entropy_delta": e8_post["entropy"] - e8_pre["entropy"], "target": ">= 0.20"}}
+    gaps = {}
+    for rounds in (0, 1, 2):
+        e8 = row(8, rounds, "relf euler")
+        s64 = [r for r in rows if r["variant"] == variant and r["train_steps"] == steps and r["nfe"] == 64
+               and r["reflow_rounds"] == rounds]
+        if e8 is not None and s64:
+            s = min(s64, key=lambda r: abs(r["entropy"] - e8["entropy"]))
+            gaps[str(rounds)] = {"ratio": _ratio(e8["gen_ppl"], s["gen_ppl"]), "entropy_delta": e8["entropy"] - s["entropy"]}
+    out[f"{prefix}euler8_over_stochastic64_gen_ppl_by_reflow_round"] = gaps
+    return out
+
+
 def targets(rows: Sequence[dict], budgets: Sequence[int], prompted: Sequence[dict] = ()) -> dict:
     """The issue's targets as measured ratios (lower gen PPL is better), and the prompted replies'
     gen PPL of clean-prompt training over the renoised prompt (not an issue target)."""
@@ -324,7 +375,10 @@ def targets(rows: Sequence[dict], budgets: Sequence[int], prompted: Sequence[dic
                 "entropy_delta": clean["entropy"] - renoised["entropy"]}
     for steps in budgets:
         ar_rows = [r for r in rows if r["variant"] == "ar" and r["train_steps"] == steps]
-        r64 = _pick(rows, variant="relf", train_steps=steps, nfe=64, reflow_rounds=0)
+        # of the 64-NFE rows (one per renoise rule), the one nearest the AR sweep's entropies
+        pre = [r for r in rows if r["variant"] == "relf" and r["train_steps"] == steps and r["nfe"] == 64
+               and r["reflow_rounds"] == 0]
+        r64 = min(pre, key=lambda r: ar_ppl_at_entropy(ar_rows, r["entropy"])[1])
         ppl, gap = ar_ppl_at_entropy(ar_rows, r64["entropy"])
         out[f"steps{steps}_relf64_vs_ar_at_matched_entropy"] = {
             "relf_gen_ppl": r64["gen_ppl"], "relf_entropy": r64["entropy"], "ar_gen_ppl_interpolated": ppl,
@@ -337,17 +391,8 @@ def targets(rows: Sequence[dict], budgets: Sequence[int], prompted: Sequence[dic
             "best_relf_ratio": min((_ratio(r["gen_ppl"], uni["gen_ppl"]) for r in pre if r["gen_ppl"]), default=None)}
     full = budgets[0]
     pre64 = _pick(rows, variant="relf", train_steps=full, nfe=64, reflow_rounds=0)
-    e16 = _pick(rows, variant="relf", train_steps=full, nfe=16, reflow_rounds=2, method="relf euler")
-    e8_pre = _pick(rows, variant="relf", train_steps=full, nfe=8, reflow_rounds=0, method="relf euler")
-    e8_post = _pick(rows, variant="relf", train_steps=full, nfe=8, reflow_rounds=2, method="relf euler")
-    if e16 is not None:
-        out["reflow2_euler16_over_pre_stochastic64_gen_ppl"] = {
-            "ratio": _ratio(e16["gen_ppl"], pre64["gen_ppl"]), "entropy_delta": e16["entropy"] - pre64["entropy"],
-            "target": "<= 1.10"}
-        out["reflow2_euler8_gen_ppl_reduction"] = {
-            "reduction": None if _ratio(e8_post["gen_ppl"], e8_pre["gen_ppl"]) is None
-            else 1.0 - e8_post["gen_ppl"] / e8_pre["gen_ppl"], "before": e8_pre["gen_ppl"],
-            "after": e8_post["gen_ppl"], "target": ">= 0.20"}
+    for variant, prefix in (("relf", ""), *((v, f"{v}_") for v in REFLOW_EXTENSIONS)):
+        out.update(_reflow_targets(rows, variant, full, prefix))
     abl = {}
     for name in ABLATIONS:
         r = next((x for x in rows if x["variant"] == name), None)

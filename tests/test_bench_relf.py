@@ -114,3 +114,41 @@ def test_ar_replies_are_cut_at_the_end_of_their_turn():
     cut = _cut_turns(s, tok)
     assert cut.texts == ["hi there", "no end", "done"] and cut.complete == [True, False, True]
     assert _cut_turns(s) is s  # ReLF prompted samples come cut already
+
+
+def test_reflow_targets_for_an_extension_use_its_own_rows_and_the_nearest_entropy():
+    rows = [_ar(2.0, 20.0, 10), _ar(4.0, 80.0, 10), _ar(2.0, 40.0, 5), _ar(4.0, 160.0, 5),
+            _relf(10, 64, 0, 46.0), _relf(5, 64, 0, 100.0), _relf(10, 8, 0, 200.0), _relf(10, 8, 2, 120.0),
+            _relf(10, 16, 2, 48.3),
+            # the blind-spot model: two 64-NFE rows before reflow, the 16-NFE row after reflow is
+            # compared with the one nearest its entropy (3.3: the marginal row at 3.2, not 2.0)
+            _relf(10, 64, 0, 300.0, variant="blind_spot", entropy=2.0, method="relf stochastic linear"),
+            _relf(10, 64, 0, 400.0, variant="blind_spot", entropy=3.2, method="relf stochastic marginal"),
+            _relf(10, 8, 0, 500.0, variant="blind_spot", entropy=3.0),
+            _relf(10, 64, 1, 380.0, variant="blind_spot", entropy=3.1, method="relf stochastic marginal"),
+            _relf(10, 8, 1, 418.0, variant="blind_spot", entropy=3.0),
+            _relf(10, 64, 2, 350.0, variant="blind_spot", entropy=3.1, method="relf stochastic marginal"),
+            _relf(10, 8, 2, 350.0, variant="blind_spot", entropy=3.1),
+            _relf(10, 16, 2, 360.0, variant="blind_spot", entropy=3.3)]
+    t = targets(rows, (10, 5))
+    assert t["reflow2_euler8_gen_ppl_reduction"]["reduction"] == pytest.approx(0.4)  # the plain model's
+    assert t["blind_spot_reflow2_euler8_gen_ppl_reduction"]["reduction"] == pytest.approx(0.3)
+    assert t["blind_spot_reflow2_euler8_gen_ppl_reduction"]["entropy_delta"] == pytest.approx(0.1)
+    e16 = t["blind_spot_reflow2_euler16_over_pre_stochastic64_gen_ppl"]
+    assert e16["ratio"] == pytest.approx(0.9) and e16["entropy_delta"] == pytest.approx(0.1)
+    gaps = t["blind_spot_euler8_over_stochastic64_gen_ppl_by_reflow_round"]
+    assert gaps["0"]["ratio"] == pytest.approx(500.0 / 400.0)  # the marginal row (3.2) is nearer 3.0
+    assert gaps["1"]["ratio"] == pytest.approx(1.1) and gaps["2"]["ratio"] == pytest.approx(1.0)
+    # the matched-entropy target takes the 64-NFE row nearest the AR sweep (both inside it here)
+    assert t["steps10_relf64_vs_ar_at_matched_entropy"]["relf_gen_ppl"] == 46.0
+    # no rows after reflow for a variant: no targets for it
+    assert "aux_head_reflow2_euler8_gen_ppl_reduction" not in t
+
+
+def test_matched_entropy_target_takes_the_64_nfe_row_inside_the_ar_sweep():
+    rows = [_ar(2.0, 20.0, 10), _ar(4.0, 80.0, 10),
+            _relf(10, 64, 0, 30.0, entropy=1.0, renoise="linear"),  # mode-seeking: 1 nat below the sweep
+            _relf(10, 64, 0, 60.0, entropy=3.0, renoise="marginal", method="relf stochastic marginal")]
+    m = targets(rows, (10,))["steps10_relf64_vs_ar_at_matched_entropy"]
+    assert m["relf_gen_ppl"] == 60.0 and m["entropy_outside_ar_sweep_nats"] == 0.0
+    assert m["ratio"] == pytest.approx(60.0 / 40.0)

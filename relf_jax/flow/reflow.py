@@ -4,7 +4,11 @@ One round:
 1. roll the model out from Z_0 ~ N(0, I) with many Euler steps to tokens w_hat (`rollout_pairs`);
 2. retrain on pairs with Z_t = t E[w_hat] + (1 - t) Z_0 and cross-entropy towards w_hat,
    plus `data_weight` (lambda) times the ordinary data loss so the model does not drift from
-   the data distribution ("regularised", our reading of methods.md) (`make_reflow_loss`);
+   the data distribution ("regularised", our reading of methods.md) (`make_reflow_loss`). The
+   pair term is always the CE under the full posterior (singular logits + residual); with a
+   blind-spot model (`FlowLossSettings.context_loss`) only the data term is its context loss:
+   on the reflow coupling w_hat_i depends on Z_0 at i itself, so the factorisation behind the
+   context loss does not hold there;
 3. measure straightness E || (Z_1 - Z_0) - v(Z_t, t) ||^2 on the coupling before and after
    (`measure_straightness`).
 """
