@@ -158,7 +158,8 @@ def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overri
     report = {"preset": preset, "complete": True, "num_samples": n, "budgets_steps": list(budgets),
               "tokens_per_step": base.train.batch_size * base.data.seq_len, "rows": rows,
               "latency": latency["rows"], "latency_ratio_ar_over_relf16": latency["ratio"],
-              "straightness": straight, "straightness_extensions": straight_ext, "prompted": prompted, "targets": targets(rows, budgets, prompted),
+              "straightness": straight, "straightness_extensions": straight_ext, "prompted": prompted,
+              "targets": targets(rows, budgets, prompted),
               "judge": judge.name,
               "wall_s": time.perf_counter() - t0}
     _write_json(out, report)
@@ -333,16 +334,18 @@ def _reflow_targets(rows: Sequence[dict], variant: str, steps: int, prefix: str)
     16-NFE Euler after two rounds over the pre-reflow 64-NFE row nearest its entropy, the 8-NFE
     Euler gen PPL reduction from two rounds, and per round the few-step gap (8-NFE Euler over
     64-NFE stochastic gen PPL: what straightening should close)."""
-    def row(nfe, rounds, method=None):
-        return _pick(rows, variant=variant, train_steps=steps, nfe=nfe, reflow_rounds=rounds,
-                     **({"method": method} if method else {}))
+    def euler(nfe, rounds):
+        return _pick(rows, variant=variant, train_steps=steps, nfe=nfe, reflow_rounds=rounds, method="relf euler")
 
-    e16, e8_pre, e8_post = row(16, 2, "relf euler"), row(8, 0, "relf euler"), row(8, 2, "relf euler")
-    pre64 = [r for r in rows if r["variant"] == variant and r["train_steps"] == steps and r["nfe"] == 64
-             and r["reflow_rounds"] == 0]
-    if e16 is None or e8_pre is None or e8_post is None or not pre64:
+    def nearest64(rounds, entropy):  # of the 64-NFE rows (one per renoise rule), the nearest in entropy
+        s64 = [r for r in rows if r["variant"] == variant and r["train_steps"] == steps and r["nfe"] == 64
+               and r["reflow_rounds"] == rounds]
+        return min(s64, key=lambda r: abs(r["entropy"] - entropy), default=None)
+
+    e16, e8_pre, e8_post = euler(16, 2), euler(8, 0), euler(8, 2)
+    if e16 is None or e8_pre is None or e8_post is None or nearest64(0, e16["entropy"]) is None:
         return {}
-    near = min(pre64, key=lambda r: abs(r["entropy"] - e16["entropy"]))
+    near = nearest64(0, e16["entropy"])
     out = {f"{prefix}reflow2_euler16_over_pre_stochastic64_gen_ppl": {
         "ratio": _ratio(e16["gen_ppl"], near["gen_ppl"]), "entropy_delta": e16["entropy"] - near["entropy"],
         "target": "<= 1.10"},
@@ -352,12 +355,11 @@ def _reflow_targets(rows: Sequence[dict], variant: str, steps: int, prefix: str)
         "after": e8_post["gen_ppl"], "entropy_delta": e8_post["entropy"] - e8_pre["entropy"], "target": ">= 0.20"}}
     gaps = {}
     for rounds in (0, 1, 2):
-        e8 = row(8, rounds, "relf euler")
-        s64 = [r for r in rows if r["variant"] == variant and r["train_steps"] == steps and r["nfe"] == 64
-               and r["reflow_rounds"] == rounds]
-        if e8 is not None and s64:
-            s = min(s64, key=lambda r: abs(r["entropy"] - e8["entropy"]))
-            gaps[str(rounds)] = {"ratio": _ratio(e8["gen_ppl"], s["gen_ppl"]), "entropy_delta": e8["entropy"] - s["entropy"]}
+        e8 = euler(8, rounds)
+        s = None if e8 is None else nearest64(rounds, e8["entropy"])
+        if s is not None:
+            gaps[str(rounds)] = {"ratio": _ratio(e8["gen_ppl"], s["gen_ppl"]),
+                                 "entropy_delta": e8["entropy"] - s["entropy"]}
     out[f"{prefix}euler8_over_stochastic64_gen_ppl_by_reflow_round"] = gaps
     return out
 
