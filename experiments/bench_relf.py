@@ -392,14 +392,20 @@ def targets(rows: Sequence[dict], budgets: Sequence[int], prompted: Sequence[dic
             "positional_unigram": {"gen_ppl": uni["gen_ppl"], "entropy": uni["entropy"]},
             "best_relf_ratio": min((_ratio(r["gen_ppl"], uni["gen_ppl"]) for r in pre if r["gen_ppl"]), default=None)}
     full = budgets[0]
-    pre64 = _pick(rows, variant="relf", train_steps=full, nfe=64, reflow_rounds=0)
+
+    def sampled_alike(steps):  # ablation and guidance rows use the default (marginal) renoise
+        return (_pick(rows, variant="relf", train_steps=steps, nfe=64, reflow_rounds=0,
+                      method="relf stochastic marginal")
+                or _pick(rows, variant="relf", train_steps=steps, nfe=64, reflow_rounds=0))
+
+    pre64 = sampled_alike(full)
     for variant, prefix in (("relf", ""), *((v, f"{v}_") for v in REFLOW_EXTENSIONS)):
         out.update(_reflow_targets(rows, variant, full, prefix))
     abl = {}
     for name in ABLATIONS:
         r = next((x for x in rows if x["variant"] == name), None)
         if r is not None:
-            base = _pick(rows, variant="relf", train_steps=r["train_steps"], nfe=64, reflow_rounds=0)
+            base = sampled_alike(r["train_steps"])
             abl[name] = {"gen_ppl_over_baseline": _ratio(r["gen_ppl"], base["gen_ppl"]),
                          "entropy_delta": r["entropy"] - base["entropy"], "train_steps": r["train_steps"]}
     for g in GUIDANCE[1:]:
