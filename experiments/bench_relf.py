@@ -343,9 +343,9 @@ def _reflow_targets(rows: Sequence[dict], variant: str, steps: int, prefix: str)
         return min(s64, key=lambda r: abs(r["entropy"] - entropy), default=None)
 
     e16, e8_pre, e8_post = euler(16, 2), euler(8, 0), euler(8, 2)
-    if e16 is None or e8_pre is None or e8_post is None or nearest64(0, e16["entropy"]) is None:
+    near = None if e16 is None else nearest64(0, e16["entropy"])
+    if near is None or e8_pre is None or e8_post is None:
         return {}
-    near = nearest64(0, e16["entropy"])
     out = {f"{prefix}reflow2_euler16_over_pre_stochastic64_gen_ppl": {
         "ratio": _ratio(e16["gen_ppl"], near["gen_ppl"]), "entropy_delta": e16["entropy"] - near["entropy"],
         "target": "<= 1.10"},
