@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     rf.add_argument("--pairs", type=int, default=512, help="rollout pairs per round")
     rf.add_argument("--steps", type=int, default=None, help="train steps per round (default train.steps)")
     rf.add_argument("--data-weight", type=float, default=0.2, help="lambda: weight of the data loss")
+    rf.add_argument("--pair-weight", type=float, default=1.0,
+                    help="weight of the pair loss (0 with --data-weight 1: the no-pairs control)")
+    rf.add_argument("--name", default="relf_reflow", help="round directories <workdir>/<name><r>")
 
     rc = sub.add_parser("rcsd", help="continual RCSD: serve speculatively, log traces, keep training the draft")
     rc.add_argument("--target", required=True, help="the target's run directory")
@@ -224,11 +227,17 @@ def _run(args) -> int:
                           "resumed_from": res.resumed_from}))
         return 0
     if args.command == "reflow":
-        if args.rounds < 1 or args.pairs < 1 or not 0 <= args.data_weight:
+        if (args.rounds < 1 or args.pairs < 1 or args.data_weight < 0 or args.pair_weight < 0
+                or args.data_weight + args.pair_weight <= 0):
             from relf_jax.config import ConfigError
-            raise ConfigError("reflow needs --rounds >= 1, --pairs >= 1 and --data-weight >= 0")
+            raise ConfigError("reflow needs --rounds >= 1, --pairs >= 1, --data-weight >= 0 and --pair-weight >= 0, "
+                              "not both 0")
+        if not args.name or os.sep in args.name or args.name == "relf":
+            from relf_jax.config import ConfigError
+            raise ConfigError(f"--name must be a plain directory name other than 'relf', got {args.name!r}")
         print(json.dumps(workflows.reflow(args.workdir, args.rounds, num_pairs=args.pairs, steps=args.steps,
-                                          data_weight=args.data_weight), indent=2))
+                                          data_weight=args.data_weight, pair_weight=args.pair_weight,
+                                          name=args.name), indent=2))
         return 0
     if args.command == "rcsd":
         return _rcsd(args)

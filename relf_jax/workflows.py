@@ -320,12 +320,15 @@ def samples_from_rows(tok: Tokenizer, rows, *, seconds: float = 0.0, target_forw
 
 
 def reflow(workdir: str, rounds: int = 2, *, num_pairs: int = 512, rollout_nfe: int = 64,
-           steps: Optional[int] = None, data_weight: float = 0.2, mesh=None) -> list[dict]:
+           steps: Optional[int] = None, data_weight: float = 0.2, pair_weight: float = 1.0,
+           name: str = "relf_reflow", mesh=None) -> list[dict]:
     """Regularised reflow of the ReLF model in ``<workdir>/relf``: `rounds` rounds, each trained
-    (resumably) in ``<workdir>/relf_reflow<r>`` from the previous round's parameters.
+    (resumably) in ``<workdir>/<name><r>`` from the previous round's parameters.
 
-    Returns and writes (``<workdir>/reflow.json``) the straightness of each round's coupling
-    before and after training on it.
+    Returns and writes (``<workdir>/<name minus "relf_">.json``, ``reflow.json`` by default) the
+    straightness of each round's coupling before and after training on it. ``pair_weight=0,
+    data_weight=1, name="relf_nopairs"`` is the no-pairs control: the same rounds, schedule and
+    batches with the data loss only (`make_reflow_loss`).
     """
     import shutil
 
@@ -333,7 +336,7 @@ def reflow(workdir: str, rounds: int = 2, *, num_pairs: int = 512, rollout_nfe: 
 
     results = []
     source = os.path.join(workdir, "relf")
-    report = os.path.join(workdir, "reflow.json")
+    report = os.path.join(workdir, f"{name.removeprefix('relf_')}.json")
     done = {}
     if os.path.exists(report):
         with open(report) as f:
@@ -342,7 +345,7 @@ def reflow(workdir: str, rounds: int = 2, *, num_pairs: int = 512, rollout_nfe: 
     for r in range(1, rounds + 1):
         lm = load_model(source, "relf")
         cfg = lm.cfg
-        target_dir = os.path.join(workdir, f"relf_reflow{r}")
+        target_dir = os.path.join(workdir, f"{name}{r}")
         if r in done and _finished(target_dir, steps or cfg.train.steps):
             results.append(done[r])  # a finished round (an earlier run): nothing to redo
             source = target_dir
@@ -360,7 +363,7 @@ def reflow(workdir: str, rounds: int = 2, *, num_pairs: int = 512, rollout_nfe: 
         rcfg = dataclasses.replace(cfg, train=train_cfg, workdir=target_dir)
         data = pipeline.make_iterator(builder, "train", lm.tokenizer, seq_len=cfg.data.seq_len,
                                       batch_size=train_cfg.batch_size, seed=train_cfg.seed + r, rows=row_mode(cfg))
-        loss = losses.setdefault(settings, make_reflow_loss(settings, data_weight))
+        loss = losses.setdefault(settings, make_reflow_loss(settings, data_weight, pair_weight))
         res = train(rcfg, lm.model_cfg, loss,
                     PairBatches(z0, toks, data, batch_size=train_cfg.batch_size, seed=r), workdir=target_dir,
                     mesh=mesh, tokenizer_bytes=lm.tokenizer.to_bytes(), frozen={"embeddings": table},

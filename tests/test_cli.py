@@ -66,6 +66,8 @@ def test_bench_serve_parts_are_checked(capsys, tmp_path):
     (["train", "--preset", "tiny", "sample.temperature=-1"], ["temperature must be >= 0"]),
     (["train", "--preset", "tiny", "sample.top_p=1.5"], ["top_p must be in (0, 1]"]),
     (["train", "--preset", "tiny", "sample.top_k=-3"], ["top_k must be >= 0"]),
+    (["reflow", "--pair-weight", "0", "--data-weight", "0"], ["--pair-weight", "not both 0"]),
+    (["reflow", "--name", "relf"], ["--name", "'relf'"]),
 ])
 def test_bad_config(capsys, tmp_path, argv, words):
     rc, _, err = _run(capsys, *argv, "--workdir", str(tmp_path))

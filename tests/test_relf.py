@@ -224,6 +224,33 @@ def test_one_reflow_round_lowers_straightness(tmp_path):
     assert after < 0.9 * before, (before, after)
 
 
+def test_reflow_loss_weights_and_the_no_pairs_control():
+    from relf_jax.flow.reflow import PairBatches, make_reflow_loss
+
+    cfg = dataclasses.replace(_cfg().model, vocab_size=61)
+    g, p = nnx.split(build_model(cfg, nnx.Rngs(0)))
+    frozen = {"embeddings": jnp.asarray(gaussian_embeddings(61, 8, seed=1))}
+    rng = np.random.default_rng(0)
+    z0 = rng.standard_normal((16, 32, 8)).astype(np.float32)
+    pairs = PairBatches(z0, rng.integers(0, 61, (16, 32)).astype(np.int32), CountingBatches(), batch_size=4)
+    batch = {k: jnp.asarray(v) for k, v in next(pairs).items()}
+    key = jax.random.key(3)
+    settings = FlowLossSettings(residual_bound=10.0)
+
+    def run(loss_fn, k=key):
+        return jax.jit(lambda p: loss_fn(nnx.merge(g, p), batch, k, frozen))(p)
+
+    control, aux = run(make_reflow_loss(settings, data_weight=1.0, pair_weight=0.0))
+    data, _ = run(make_flow_loss(settings), jax.random.split(key, 3)[2])  # the data term's own key
+    assert "pair_ce" not in aux and float(control) == pytest.approx(float(data), rel=1e-6)
+    one, aux1 = run(make_reflow_loss(settings, data_weight=0.2, pair_weight=1.0))
+    two, _ = run(make_reflow_loss(settings, data_weight=0.2, pair_weight=2.0))
+    assert float(two - one) == pytest.approx(float(aux1["pair_ce"]), rel=1e-5)
+    assert float(one) == pytest.approx(float(aux1["pair_ce"] + 0.2 * aux1["data_ce"]), rel=1e-5)
+    with pytest.raises(ValueError, match="not both 0"):
+        make_reflow_loss(settings, data_weight=0.0, pair_weight=0.0)
+
+
 @pytest.mark.slow  # the reflow rounds run in the quick demo test too; this adds the CLI parsing
 def test_reflow_cli_rounds(tmp_path, capsys):
     import json

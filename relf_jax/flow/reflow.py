@@ -77,15 +77,23 @@ def _straightness(graphdef, params, embeddings, z0, tokens, *, settings: FlowLos
     return straightness(z0, jnp.take(embeddings, tokens, axis=0), v_fn, ts)
 
 
-def make_reflow_loss(settings: FlowLossSettings, data_weight: float = 0.2):
-    """loss_fn(model, batch, key, frozen): CE on reflow pairs (batch["z0"], batch["pair_tokens"])
-    + data_weight * the data flow loss on batch["tokens"] (regularisation, our reading)."""
+def make_reflow_loss(settings: FlowLossSettings, data_weight: float = 0.2, pair_weight: float = 1.0):
+    """loss_fn(model, batch, key, frozen): pair_weight * CE on reflow pairs (batch["z0"],
+    batch["pair_tokens"]) + data_weight * the data flow loss on batch["tokens"] (regularisation,
+    our reading). ``pair_weight=0`` is the no-pairs control: the same batches and schedule, data
+    loss only, so a round's gain can be told apart from that of training longer."""
+    if data_weight < 0 or pair_weight < 0 or data_weight + pair_weight <= 0:
+        raise ValueError(f"reflow loss weights must be >= 0 and not both 0, got data_weight={data_weight}, "
+                         f"pair_weight={pair_weight}")
     data_loss = make_flow_loss(settings)
     s = settings
 
     def loss_fn(model, batch, key, frozen):
         embeddings = frozen["embeddings"].astype(jnp.float32)
         k_pair, k_sc, k_data = jax.random.split(key, 3)
+        if pair_weight == 0:  # the control: no pair forward at all
+            d_loss, d_aux = data_loss(model, batch, k_data, frozen)
+            return data_weight * d_loss, {"data_ce": d_aux["ce"], "tokens": d_aux["tokens"]}
         tokens = batch["pair_tokens"]
         z0 = batch["z0"].astype(jnp.float32)
         t = sample_times(k_pair, tokens.shape[0], s.t_distribution)
@@ -100,7 +108,7 @@ def make_reflow_loss(settings: FlowLossSettings, data_weight: float = 0.2):
         use_sc = jax.random.bernoulli(k_sc, s.self_condition_prob, (tokens.shape[0], 1, 1))
         logp = jax.nn.log_softmax(logits_of(jnp.where(use_sc, guess, zeros)), -1)
         pair_ce = -jnp.take_along_axis(logp, tokens[..., None], -1).mean()
-        total, aux = pair_ce, {"pair_ce": pair_ce}
+        total, aux = pair_weight * pair_ce, {"pair_ce": pair_ce}
         if data_weight > 0:
             d_loss, d_aux = data_loss(model, batch, k_data, frozen)
             total = total + data_weight * d_loss
