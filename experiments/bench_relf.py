@@ -19,6 +19,9 @@ conversations (unconditional, up to ``seq_len`` tokens) from both:
   8 / 32-NFE Euler rows and two reflow rounds with the same rows after each, and the reflow
   targets are restated for it (``blind_spot_...``): the plain model's samples are about as good
   at 8 NFE as at 64, so reflow has nothing to straighten there;
+- a no-pairs control for each reflow study (`NO_PAIRS`, variant ``<model>_nopairs``): two rounds
+  with the same schedule, steps and batches but the data loss only, so that what reflow gains
+  over training as long is told apart (``*reflow2_vs_nopairs_control``);
 - latency of one sequence of ``seq_len`` tokens at batch 1 and 64: AR with its KV cache vs
   ReLF at 16 NFE, and their ratio;
 - straightness of each reflow round's coupling before and after training on it;
@@ -32,7 +35,8 @@ conversations (unconditional, up to ``seq_len`` tokens) from both:
 
 Rows carry ``method, nfe, reflow_rounds, gen_ppl, entropy, latency_s, batch`` (+ the budget
 and variant), each over `num_samples` samples; ``targets`` restates the issue's targets as
-measured ratios.
+measured ratios. ``--parts`` picks "models", "reflow" and "latency" (`PARTS`); ``--parts reflow``
+trains only the full-budget plain and `REFLOW_EXTENSIONS` models and runs their reflow studies.
 """
 
 from __future__ import annotations
@@ -66,9 +70,23 @@ EXTENSIONS = {"aux_head": ["flow.aux_weight=1"], "per_position_t": ["flow.per_po
 REFLOW_EXTENSIONS = ("blind_spot",)
 
 
-def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = ()) -> dict:
-    from relf_jax import workflows
+PARTS = ("models", "reflow", "latency")
+# the no-pairs control of a reflow study: the same rounds, schedule and batches, data loss only
+NO_PAIRS = {"pair_weight": 0.0, "data_weight": 1.0}
 
+
+def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),
+               parts: Sequence[str] = PARTS) -> dict:
+    """Runs the parts named in `parts`: "models" (the AR sweep, ReLF rows at both budgets,
+    ablations, guidance, extensions, prompted replies, the unigram reference), "reflow" (two
+    reflow rounds and two no-pairs control rounds of the plain and `REFLOW_EXTENSIONS` models,
+    with rows before and after each) and "latency"; all three by default."""
+    from relf_jax import workflows
+    from relf_jax.errors import UserError
+
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        raise UserError(f"bench relf parts must be a non-empty subset of {', '.join(PARTS)}; got {list(parts)}")
     preset = "tiny" if quick else "cpu"
     root = os.path.abspath(workdir or os.path.join("runs", f"bench_relf_{preset}"))
     base = make_config(preset, list(overrides), workdir=os.path.join(root, "shared"))
@@ -81,26 +99,41 @@ def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overri
     n = 32 if quick else 256
     temps = QUICK_AR_TEMPERATURES if quick else AR_TEMPERATURES
     full = base.train.steps
-    budgets = (full, max(1, full // 2))
+    models = "models" in parts
+    budgets = (full, max(1, full // 2)) if models else (full,)
+    pairs, reflow_steps = (64 if quick else 512), max(1, full // 2)
     t0 = time.perf_counter()
-    rows, straight, prompted, straight_ext = [], [], [], {}
+    rows, prompted, straight, latency = [], [], {}, {"rows": [], "ratio": {}}
 
     def record(row):
         rows.append(row)
-        _write_json(out, {"preset": preset, "complete": False, "rows": rows})  # nothing lost if interrupted
+        _write_json(out, {"preset": preset, "complete": False, "parts": list(parts), "rows": rows})  # nothing lost
         ppl = "   empty" if row["gen_ppl"] is None else f"{row['gen_ppl']:8.2f}"
         print(f"[bench relf] {row['train_steps']:>5} steps {row['method']:>26} nfe {row['nfe']!s:>4} "
               f"reflow {row['reflow_rounds']}: gen PPL {ppl}  entropy {row['entropy']:.2f}  "
               f"{row['latency_s'] * 1e3:8.1f} ms/batch", flush=True)
 
-    uni = positional_unigram_samples(builder, tok, n, base.data.seq_len)
-    record(_row(uni, judge, method="positional unigram", nfe=None, reflow_rounds=0, steps=0, variant="reference"))
+    def reflow_study(model_wd, variant):
+        """Two reflow rounds and two no-pairs control rounds from the model in `model_wd`/relf."""
+        out = {}
+        for kind, extra, name in (("pairs", {}, "relf_reflow"), ("nopairs", NO_PAIRS, "relf_nopairs")):
+            out[kind] = workflows.reflow(model_wd, rounds=2, num_pairs=pairs, steps=reflow_steps, name=name, **extra)
+            for r in (1, 2):
+                rlm = workflows.load_model(os.path.join(model_wd, f"{name}{r}"), "relf")
+                _relf_rows(record, rlm, judge, n, full, rounds=r, variant=variant if kind == "pairs"
+                           else f"{variant}_nopairs", nfes=EULER_NFES if kind == "pairs" else (8, 16))
+        return out
+
+    if models:
+        uni = positional_unigram_samples(builder, tok, n, base.data.seq_len)
+        record(_row(uni, judge, method="positional unigram", nfe=None, reflow_rounds=0, steps=0, variant="reference"))
     for steps in budgets:
         wd = _workdir(root, f"steps{steps}", base)
         cfg = make_config(preset, [*overrides, f"train.steps={steps}"], workdir=wd)
-        workflows.train_lm(cfg)
-        ar_lm = workflows.load_model(wd, "ar")
-        for temperature in temps:
+        if models or "latency" in parts:
+            workflows.train_lm(cfg)
+            ar_lm = workflows.load_model(wd, "ar")
+        for temperature in temps if models else ():
             sc = dataclasses.replace(ar_lm.cfg.sample, temperature=temperature, top_k=0, top_p=1.0,
                                      max_new_tokens=cfg.data.seq_len - 1, num_samples=n)
             s = workflows.sample(ar_lm, n=n, sample_cfg=sc)
@@ -110,7 +143,8 @@ def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overri
         workflows.train_lm(relf_cfg)
         relf_dir = os.path.join(wd, "relf")
         lm = workflows.load_model(relf_dir, "relf")
-        _relf_rows(record, lm, judge, n, steps, rounds=0, variant="relf", renoise_pair=True)
+        if models or "reflow" in parts:
+            _relf_rows(record, lm, judge, n, steps, rounds=0, variant="relf", renoise_pair=True)
         if steps != full:
             # ablations at the smaller budget (CPU time), against that budget's ReLF rows
             for name, extra in ABLATIONS.items():
@@ -122,43 +156,44 @@ def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overri
                 record(_row(s, judge, method=f"relf stochastic {name}", nfe=64, reflow_rounds=0, steps=steps,
                             variant=name, batch=alm.cfg.sample.batch_size))
             continue
-        for g in GUIDANCE[1:]:
-            s = workflows.sample_relf(lm, n, nfe=64, sampler="stochastic", guidance=g)
-            record(_row(s, judge, method=f"relf stochastic w={g:g}", nfe=64, reflow_rounds=0, steps=steps,
-                        variant="guidance", guidance=g, batch=lm.cfg.sample.batch_size))
-        pwd = _workdir(root, f"steps{steps}_prompt_training", base)
-        workflows.train_lm(make_config(preset, [*overrides, f"train.steps={steps}", "model=relf", *PROMPT_TRAINING],
-                                       workdir=pwd))
-        plm = workflows.load_model(os.path.join(pwd, "relf"), "relf")
-        s = workflows.sample_relf(plm, n, nfe=64, sampler="stochastic")
-        record(_row(s, judge, method="relf stochastic prompt_training", nfe=64, reflow_rounds=0, steps=steps,
-                    variant="prompt_training", batch=plm.cfg.sample.batch_size))
+        if models:
+            for g in GUIDANCE[1:]:
+                s = workflows.sample_relf(lm, n, nfe=64, sampler="stochastic", guidance=g)
+                record(_row(s, judge, method=f"relf stochastic w={g:g}", nfe=64, reflow_rounds=0, steps=steps,
+                            variant="guidance", guidance=g, batch=lm.cfg.sample.batch_size))
+            pwd = _workdir(root, f"steps{steps}_prompt_training", base)
+            workflows.train_lm(make_config(preset, [*overrides, f"train.steps={steps}", "model=relf",
+                                                    *PROMPT_TRAINING], workdir=pwd))
+            plm = workflows.load_model(os.path.join(pwd, "relf"), "relf")
+            s = workflows.sample_relf(plm, n, nfe=64, sampler="stochastic")
+            record(_row(s, judge, method="relf stochastic prompt_training", nfe=64, reflow_rounds=0, steps=steps,
+                        variant="prompt_training", batch=plm.cfg.sample.batch_size))
         for name, extra in EXTENSIONS.items():
+            study = name in REFLOW_EXTENSIONS and "reflow" in parts
+            if not (models or study):
+                continue
             ewd = _workdir(root, f"steps{steps}_{name}", base)
             workflows.train_lm(make_config(preset, [*overrides, f"train.steps={steps}", "model=relf", *extra],
                                            workdir=ewd))
             elm = workflows.load_model(os.path.join(ewd, "relf"), "relf")
-            if name not in REFLOW_EXTENSIONS:
-                _relf_rows(record, elm, judge, n, steps, rounds=0, variant=name, nfes=(16,))
-                continue
-            _relf_rows(record, elm, judge, n, steps, rounds=0, variant=name)
-            straight_ext[name] = workflows.reflow(ewd, rounds=2, num_pairs=64 if quick else 512,
-                                                  steps=max(1, steps // 2))
-            for r in (1, 2):
-                rlm = workflows.load_model(os.path.join(ewd, f"relf_reflow{r}"), "relf")
-                _relf_rows(record, rlm, judge, n, steps, rounds=r, variant=name)
-        from experiments.bench import held_out_prompts
-        prompted = prompted_rows(ar_lm, lm, plm, judge, held_out_prompts(cfg, 16 if quick else 128), steps=steps)
-        straight = workflows.reflow(wd, rounds=2, num_pairs=64 if quick else 512, steps=max(1, steps // 2))
-        for r in (1, 2):
-            rlm = workflows.load_model(os.path.join(wd, f"relf_reflow{r}"), "relf")
-            _relf_rows(record, rlm, judge, n, steps, rounds=r, variant="relf")
-        latency = _latency(ar_lm, lm, length=cfg.data.seq_len, batches=(1, 64))
+            _relf_rows(record, elm, judge, n, steps, rounds=0, variant=name,
+                       nfes=EULER_NFES if name in REFLOW_EXTENSIONS else (16,))
+            if study:
+                straight[name] = reflow_study(ewd, name)
+        if models:
+            from experiments.bench import held_out_prompts
+            prompted = prompted_rows(ar_lm, lm, plm, judge, held_out_prompts(cfg, 16 if quick else 128),
+                                     steps=steps)
+        if "reflow" in parts:
+            straight["relf"] = reflow_study(wd, "relf")
+        if "latency" in parts:
+            latency = _latency(ar_lm, lm, length=cfg.data.seq_len, batches=(1, 64))
 
-    report = {"preset": preset, "complete": True, "num_samples": n, "budgets_steps": list(budgets),
-              "tokens_per_step": base.train.batch_size * base.data.seq_len, "rows": rows,
-              "latency": latency["rows"], "latency_ratio_ar_over_relf16": latency["ratio"],
-              "straightness": straight, "straightness_extensions": straight_ext, "prompted": prompted,
+    report = {"preset": preset, "complete": True, "parts": list(parts), "num_samples": n,
+              "budgets_steps": list(budgets), "tokens_per_step": base.train.batch_size * base.data.seq_len,
+              "reflow": {"rounds": 2, "pairs": pairs, "steps_per_round": reflow_steps, "no_pairs": NO_PAIRS},
+              "rows": rows, "latency": latency["rows"], "latency_ratio_ar_over_relf16": latency["ratio"],
+              "straightness": straight, "prompted": prompted,
               "targets": targets(rows, budgets, prompted),
               "judge": judge.name,
               "wall_s": time.perf_counter() - t0}
@@ -361,6 +396,20 @@ def _reflow_targets(rows: Sequence[dict], variant: str, steps: int, prefix: str)
             gaps[str(rounds)] = {"ratio": _ratio(e8["gen_ppl"], s["gen_ppl"]),
                                  "entropy_delta": e8["entropy"] - s["entropy"]}
     out[f"{prefix}euler8_over_stochastic64_gen_ppl_by_reflow_round"] = gaps
+    # the no-pairs control (`NO_PAIRS`): as many rounds of data-only training; reflow's own share
+    # of the gain is how far its rows beat the control's
+    control = {}
+    for nfe in (8, 16):
+        pre, post = euler(nfe, 0), euler(nfe, 2)
+        ctrl = _pick(rows, variant=f"{variant}_nopairs", train_steps=steps, nfe=nfe, reflow_rounds=2,
+                     method="relf euler")
+        if pre is not None and post is not None and ctrl is not None and ctrl["gen_ppl"] and pre["gen_ppl"]:
+            control[f"euler{nfe}"] = {"before": pre["gen_ppl"], "reflow2": post["gen_ppl"], "nopairs2": ctrl["gen_ppl"],
+                                      "nopairs2_reduction": 1.0 - ctrl["gen_ppl"] / pre["gen_ppl"],
+                                      "reflow2_over_nopairs2": _ratio(post["gen_ppl"], ctrl["gen_ppl"]),
+                                      "entropy_delta_reflow2_minus_nopairs2": post["entropy"] - ctrl["entropy"]}
+    if control:
+        out[f"{prefix}reflow2_vs_nopairs_control"] = control
     return out
 
 
@@ -376,10 +425,12 @@ def targets(rows: Sequence[dict], budgets: Sequence[int], prompted: Sequence[dic
                 "ratio": _ratio(clean["gen_ppl"], renoised["gen_ppl"]),
                 "entropy_delta": clean["entropy"] - renoised["entropy"]}
     for steps in budgets:
-        ar_rows = [r for r in rows if r["variant"] == "ar" and r["train_steps"] == steps]
+        ar_rows = [r for r in rows if r["variant"] == "ar" and r["train_steps"] == steps and r["gen_ppl"]]
         # of the 64-NFE rows (one per renoise rule), the one nearest the AR sweep's entropies
         pre = [r for r in rows if r["variant"] == "relf" and r["train_steps"] == steps and r["nfe"] == 64
                and r["reflow_rounds"] == 0]
+        if not ar_rows or not pre:  # a run without the "models" part
+            continue
         r64 = min(pre, key=lambda r: ar_ppl_at_entropy(ar_rows, r["entropy"])[1])
         ppl, gap = ar_ppl_at_entropy(ar_rows, r64["entropy"])
         out[f"steps{steps}_relf64_vs_ar_at_matched_entropy"] = {
@@ -420,9 +471,9 @@ def targets(rows: Sequence[dict], budgets: Sequence[int], prompted: Sequence[dic
         for nfe, method in ((64, "relf stochastic marginal"), (16, "relf euler")):
             r = _pick(rows, variant=name, nfe=nfe, method=method)
             base = _pick(rows, variant="relf", train_steps=full, nfe=nfe, reflow_rounds=0, method=method)
-            if r is not None and base is not None:
-                ar_ppl, gap = ar_ppl_at_entropy([x for x in rows if x["variant"] == "ar" and x["train_steps"] == full],
-                                                r["entropy"])
+            ar_full = [x for x in rows if x["variant"] == "ar" and x["train_steps"] == full]
+            if r is not None and base is not None and ar_full:
+                ar_ppl, gap = ar_ppl_at_entropy(ar_full, r["entropy"])
                 ext[f"{name}_nfe{nfe}"] = {"gen_ppl_over_relf": _ratio(r["gen_ppl"], base["gen_ppl"]),
                                            "entropy_delta": r["entropy"] - base["entropy"],
                                            "gen_ppl_over_ar_at_matched_entropy": _ratio(r["gen_ppl"], ar_ppl),

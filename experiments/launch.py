@@ -95,9 +95,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--out", required=True, help="JSON file to write")
     b.add_argument("--quick", action="store_true", help="tiny preset, a few minutes")
     b.add_argument("--workdir", default=None, help="where models are trained / cached")
-    b.add_argument("--parts", default=None, help="bench serve only: which comparisons, comma-separated, of "
+    b.add_argument("--parts", default=None, help="bench serve and relf only: which parts, comma-separated; serve: "
                                                  "engines (AR vs NSD, batch-1 overhead) and dws (FCFS vs SJF-DWS); "
-                                                 "default both")
+                                                 "relf: models, reflow (reflow and no-pairs control rounds), "
+                                                 "latency; default all")
 
     ih = sub.add_parser("import-hf", help="a local HuggingFace Llama/Qwen2 directory -> a relf_jax checkpoint")
     ih.add_argument("path", help="directory with config.json, safetensors weights and a tokenizer")
@@ -213,9 +214,9 @@ def _run(args) -> int:
             run_bench = getattr(bench, f"bench_{args.which}")
         extra = {}
         if args.parts is not None:
-            if args.which != "serve":
+            if args.which not in ("serve", "relf"):
                 from relf_jax.errors import UserError
-                raise UserError("--parts applies to bench serve only")
+                raise UserError("--parts applies to bench serve and bench relf only")
             extra["parts"] = [p.strip() for p in args.parts.split(",") if p.strip()]
         run_bench(args.out, quick=args.quick, workdir=args.workdir, overrides=args.overrides, **extra)
         return 0

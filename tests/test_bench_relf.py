@@ -153,3 +153,22 @@ def test_matched_entropy_target_takes_the_64_nfe_row_inside_the_ar_sweep():
     m = targets(rows, (10,))["steps10_relf64_vs_ar_at_matched_entropy"]
     assert m["relf_gen_ppl"] == 60.0 and m["entropy_outside_ar_sweep_nats"] == 0.0
     assert m["ratio"] == pytest.approx(60.0 / 40.0)
+
+
+def test_reflow_is_compared_with_its_no_pairs_control_and_a_reflow_only_run_has_no_ar_targets():
+    rows = [_relf(10, 64, 0, 400.0, variant="blind_spot", method="relf stochastic marginal"),
+            _relf(10, 8, 0, 500.0, variant="blind_spot"), _relf(10, 16, 0, 450.0, variant="blind_spot"),
+            _relf(10, 8, 2, 350.0, variant="blind_spot", entropy=3.2),
+            _relf(10, 16, 2, 360.0, variant="blind_spot"),
+            # data-only rounds of the same length: the 8-NFE row gains more without the pairs
+            _relf(10, 8, 2, 400.0, variant="blind_spot_nopairs", entropy=3.0),
+            _relf(10, 16, 2, 300.0, variant="blind_spot_nopairs")]
+    t = targets(rows, (10,))  # no AR rows (--parts reflow): no matched-entropy target, no error
+    assert not any(k.startswith("steps10_relf64_vs_ar") for k in t)
+    c = t["blind_spot_reflow2_vs_nopairs_control"]
+    assert c["euler8"]["nopairs2_reduction"] == pytest.approx(0.2)
+    assert c["euler8"]["reflow2_over_nopairs2"] == pytest.approx(350.0 / 400.0)
+    assert c["euler8"]["entropy_delta_reflow2_minus_nopairs2"] == pytest.approx(0.2)
+    assert c["euler16"]["reflow2_over_nopairs2"] == pytest.approx(1.2)
+    assert t["blind_spot_reflow2_euler8_gen_ppl_reduction"]["reduction"] == pytest.approx(0.3)
+    assert "reflow2_vs_nopairs_control" not in t  # the plain model has no rows here

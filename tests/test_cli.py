@@ -53,7 +53,9 @@ def test_overrides_may_follow_the_options():
 def test_bench_serve_parts_are_checked(capsys, tmp_path):
     out = str(tmp_path / "x.json")
     rc, _, err = _run(capsys, "bench", "spec", "--out", out, "--parts", "engines")
-    _one_line_error(rc, err, "--parts applies to bench serve only")
+    _one_line_error(rc, err, "--parts applies to bench serve and bench relf only")
+    rc, _, err = _run(capsys, "bench", "relf", "--out", out, "--parts", "reflow,speed", "--workdir", str(tmp_path))
+    _one_line_error(rc, err, "models, reflow, latency", "speed")
     rc, _, err = _run(capsys, "bench", "serve", "--out", out, "--parts", "engines,gpu", "--workdir", str(tmp_path))
     _one_line_error(rc, err, "engines, dws", "gpu")
     assert parse_args(["serve", "--mock", "--steps-per-call", "3"]).steps_per_call == 3
