@@ -83,6 +83,7 @@ def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overri
     with rows before and after each) and "latency"; all three by default."""
     from relf_jax import workflows
     from relf_jax.errors import UserError
+    from relf_jax.flow.reflow import DATA_WEIGHT
 
     unknown = sorted(set(parts) - set(PARTS))
     if unknown or not parts:
@@ -191,7 +192,8 @@ def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overri
 
     report = {"preset": preset, "complete": True, "parts": list(parts), "num_samples": n,
               "budgets_steps": list(budgets), "tokens_per_step": base.train.batch_size * base.data.seq_len,
-              "reflow": {"rounds": 2, "pairs": pairs, "steps_per_round": reflow_steps, "no_pairs": NO_PAIRS},
+              "reflow": {"rounds": 2, "pairs": pairs, "steps_per_round": reflow_steps, "data_weight": DATA_WEIGHT,
+                         "no_pairs": NO_PAIRS},
               "rows": rows, "latency": latency["rows"], "latency_ratio_ar_over_relf16": latency["ratio"],
               "straightness": straight, "prompted": prompted,
               "targets": targets(rows, budgets, prompted),

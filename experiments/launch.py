@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     rf.add_argument("--rounds", type=int, default=2)
     rf.add_argument("--pairs", type=int, default=512, help="rollout pairs per round")
     rf.add_argument("--steps", type=int, default=None, help="train steps per round (default train.steps)")
-    rf.add_argument("--data-weight", type=float, default=0.2, help="lambda: weight of the data loss")
+    rf.add_argument("--data-weight", type=float, default=None, help="lambda: weight of the data loss (default 1)")
     rf.add_argument("--pair-weight", type=float, default=1.0,
                     help="weight of the pair loss (0 with --data-weight 1: the no-pairs control)")
     rf.add_argument("--name", default="relf_reflow", help="round directories <workdir>/<name><r>")
@@ -228,8 +228,10 @@ def _run(args) -> int:
                           "resumed_from": res.resumed_from}))
         return 0
     if args.command == "reflow":
-        if (args.rounds < 1 or args.pairs < 1 or args.data_weight < 0 or args.pair_weight < 0
-                or args.data_weight + args.pair_weight <= 0):
+        from relf_jax.flow.reflow import DATA_WEIGHT
+        data_weight = DATA_WEIGHT if args.data_weight is None else args.data_weight
+        if (args.rounds < 1 or args.pairs < 1 or data_weight < 0 or args.pair_weight < 0
+                or data_weight + args.pair_weight <= 0):
             from relf_jax.config import ConfigError
             raise ConfigError("reflow needs --rounds >= 1, --pairs >= 1, --data-weight >= 0 and --pair-weight >= 0, "
                               "not both 0")
@@ -237,7 +239,7 @@ def _run(args) -> int:
             from relf_jax.config import ConfigError
             raise ConfigError(f"--name must be a plain directory name other than 'relf', got {args.name!r}")
         print(json.dumps(workflows.reflow(args.workdir, args.rounds, num_pairs=args.pairs, steps=args.steps,
-                                          data_weight=args.data_weight, pair_weight=args.pair_weight,
+                                          data_weight=data_weight, pair_weight=args.pair_weight,
                                           name=args.name), indent=2))
         return 0
     if args.command == "rcsd":

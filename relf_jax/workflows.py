@@ -320,11 +320,12 @@ def samples_from_rows(tok: Tokenizer, rows, *, seconds: float = 0.0, target_forw
 
 
 def reflow(workdir: str, rounds: int = 2, *, num_pairs: int = 512, rollout_nfe: int = 64,
-           steps: Optional[int] = None, data_weight: float = 0.2, pair_weight: float = 1.0,
+           steps: Optional[int] = None, data_weight: Optional[float] = None, pair_weight: float = 1.0,
            name: str = "relf_reflow", mesh=None) -> list[dict]:
     """Regularised reflow of the ReLF model in ``<workdir>/relf``: `rounds` rounds, each trained
     (resumably) in ``<workdir>/<name><r>`` from the previous round's parameters.
 
+    ``data_weight`` (lambda) defaults to `relf_jax.flow.reflow.DATA_WEIGHT`.
     Returns and writes (``<workdir>/<name minus "relf_">.json``, ``reflow.json`` by default) the
     straightness of each round's coupling before and after training on it. ``pair_weight=0,
     data_weight=1, name="relf_nopairs"`` is the no-pairs control: the same rounds, schedule and
@@ -332,7 +333,10 @@ def reflow(workdir: str, rounds: int = 2, *, num_pairs: int = 512, rollout_nfe: 
     """
     import shutil
 
-    from relf_jax.flow.reflow import PairBatches, make_reflow_loss, measure_straightness, rollout_pairs
+    from relf_jax.flow.reflow import (DATA_WEIGHT, PairBatches, make_reflow_loss, measure_straightness,
+                                      rollout_pairs)
+
+    data_weight = DATA_WEIGHT if data_weight is None else data_weight
 
     results = []
     source = os.path.join(workdir, "relf")
