@@ -116,14 +116,14 @@ def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overri
 
     def reflow_study(model_wd, variant):
         """Two reflow rounds and two no-pairs control rounds from the model in `model_wd`/relf."""
-        out = {}
+        study = {}
         for kind, extra, name in (("pairs", {}, "relf_reflow"), ("nopairs", NO_PAIRS, "relf_nopairs")):
-            out[kind] = workflows.reflow(model_wd, rounds=2, num_pairs=pairs, steps=reflow_steps, name=name, **extra)
+            study[kind] = workflows.reflow(model_wd, rounds=2, num_pairs=pairs, steps=reflow_steps, name=name, **extra)
             for r in (1, 2):
                 rlm = workflows.load_model(os.path.join(model_wd, f"{name}{r}"), "relf")
                 _relf_rows(record, rlm, judge, n, full, rounds=r, variant=variant if kind == "pairs"
                            else f"{variant}_nopairs", nfes=EULER_NFES if kind == "pairs" else (8, 16))
-        return out
+        return study
 
     if models:
         uni = positional_unigram_samples(builder, tok, n, base.data.seq_len)
@@ -170,8 +170,8 @@ def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overri
             record(_row(s, judge, method="relf stochastic prompt_training", nfe=64, reflow_rounds=0, steps=steps,
                         variant="prompt_training", batch=plm.cfg.sample.batch_size))
         for name, extra in EXTENSIONS.items():
-            study = name in REFLOW_EXTENSIONS and "reflow" in parts
-            if not (models or study):
+            with_reflow = name in REFLOW_EXTENSIONS and "reflow" in parts
+            if not (models or with_reflow):
                 continue
             ewd = _workdir(root, f"steps{steps}_{name}", base)
             workflows.train_lm(make_config(preset, [*overrides, f"train.steps={steps}", "model=relf", *extra],
@@ -179,7 +179,7 @@ def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overri
             elm = workflows.load_model(os.path.join(ewd, "relf"), "relf")
             _relf_rows(record, elm, judge, n, steps, rounds=0, variant=name,
                        nfes=EULER_NFES if name in REFLOW_EXTENSIONS else (16,))
-            if study:
+            if with_reflow:
                 straight[name] = reflow_study(ewd, name)
         if models:
             from experiments.bench import held_out_prompts
