@@ -329,7 +329,8 @@ def reflow(workdir: str, rounds: int = 2, *, num_pairs: int = 512, rollout_nfe: 
     Returns and writes (``<workdir>/<name minus "relf_">.json``, ``reflow.json`` by default) the
     straightness of each round's coupling before and after training on it. ``pair_weight=0,
     data_weight=1, name="relf_nopairs"`` is the no-pairs control: the same rounds, schedule and
-    batches with the data loss only (`make_reflow_loss`).
+    batches with the data loss only (`make_reflow_loss`). A round folder trained with other
+    settings (lambda, pair weight, pairs, rollout NFE, steps) is refused, not resumed or reused.
     """
     import shutil
 
@@ -350,7 +351,10 @@ def reflow(workdir: str, rounds: int = 2, *, num_pairs: int = 512, rollout_nfe: 
         lm = load_model(source, "relf")
         cfg = lm.cfg
         target_dir = os.path.join(workdir, f"{name}{r}")
-        if r in done and _finished(target_dir, steps or cfg.train.steps):
+        spec = {"data_weight": float(data_weight), "pair_weight": float(pair_weight), "num_pairs": int(num_pairs),
+                "rollout_nfe": int(rollout_nfe), "steps": int(steps or cfg.train.steps)}
+        _check_round_settings(target_dir, done.get(r), spec, name)
+        if r in done and _finished(target_dir, spec["steps"]):
             results.append(done[r])  # a finished round (an earlier run): nothing to redo
             source = target_dir
             continue
@@ -371,14 +375,33 @@ def reflow(workdir: str, rounds: int = 2, *, num_pairs: int = 512, rollout_nfe: 
         res = train(rcfg, lm.model_cfg, loss,
                     PairBatches(z0, toks, data, batch_size=train_cfg.batch_size, seed=r), workdir=target_dir,
                     mesh=mesh, tokenizer_bytes=lm.tokenizer.to_bytes(), frozen={"embeddings": table},
-                    init_params=lm.params, extra_meta={"embeddings": EMBEDDINGS_FILE, "reflow_round": r},
+                    init_params=lm.params,
+                    extra_meta={"embeddings": EMBEDDINGS_FILE, "reflow_round": r, "reflow": spec},
                     step_cache=step_cache)
         after = measure_straightness(res.graphdef, res.params, table, z0, toks, settings=settings)
         results.append({"round": r, "straightness_before": before, "straightness_after": after,
-                        "model_dir": os.path.abspath(target_dir)})
+                        "model_dir": os.path.abspath(target_dir), "settings": spec})
         source = target_dir
         write_json(report, [*results, *(done[k] for k in sorted(done) if k > r)])
     return results
+
+
+def _check_round_settings(target_dir: str, record: Optional[dict], spec: dict, name: str) -> None:
+    """Refuse to resume or reuse a reflow round that was trained with other settings.
+
+    A round's checkpoints carry its settings (meta ``"reflow"``); older rounds only in the
+    round's record of the report. A round whose settings cannot be read is refused as well.
+    """
+    try:
+        meta = latest_meta(target_dir)
+    except UserError:
+        return  # nothing trained there yet
+    found = meta.get("reflow") or (record or {}).get("settings")
+    if found is None or {k: found.get(k) for k in spec} != spec:
+        what = "unknown settings" if found is None else ", ".join(f"{k}={found.get(k)}" for k in spec)
+        want = ", ".join(f"{k}={v}" for k, v in spec.items())
+        raise UserError(f"{os.path.abspath(target_dir)} holds a reflow round trained with {what}, not {want}; "
+                        f"pick another --name (now {name!r}) or remove that folder")
 
 
 def _finished(model_dir: str, steps: int) -> bool:

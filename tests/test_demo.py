@@ -44,3 +44,7 @@ def test_demo_quick_writes_report_and_reuses_its_cache(tmp_path, capsys):
     assert again["train"]["resumed_from"] == again["train"]["steps"]
     assert json.load(open(os.path.join(wd, "reflow.json"))) == reflow
     assert time.perf_counter() - t0 < report["wall_s"] + 30
+    assert reflow[0]["settings"]["pair_weight"] == 1.0
+    # the same rounds asked for with another lambda: refused, not silently reused
+    assert main(["reflow", "--workdir", wd, "--data-weight", "0.5"]) == 2
+    assert "data_weight=0.5" in capsys.readouterr().err
