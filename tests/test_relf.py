@@ -111,6 +111,15 @@ def _loss_and_grads(model, **settings):
     return jax.jit(jax.value_and_grad(f, has_aux=True))(p)
 
 
+def _loss(model, **settings) -> float:
+    """The flow loss with FlowLossSettings(**settings) on `_loss_and_grads`'s batch, forward only."""
+    g, p = nnx.split(model)
+    batch = {k: jnp.asarray(v) for k, v in next(CountingBatches()).items()}
+    frozen = {"embeddings": jnp.asarray(gaussian_embeddings(61, 8, seed=1))}
+    loss_fn = make_flow_loss(FlowLossSettings(**settings))
+    return float(jax.jit(lambda p: loss_fn(nnx.merge(g, p), batch, jax.random.key(0), frozen)[0])(p))
+
+
 def test_aux_head_adds_its_weighted_ce_and_leaves_the_residual_alone():
     cfg = dataclasses.replace(_cfg().model, vocab_size=61, flow_aux_head=True)
     model = build_model(cfg, nnx.Rngs(0))
@@ -161,21 +170,27 @@ def test_blind_spot_residual_never_reads_its_own_position():
     z = jax.random.normal(jax.random.key(3), (2, 6, 8))
     sc = jax.random.normal(jax.random.key(6), (2, 6, 8))
     t = jnp.asarray([0.3, 0.7])
-    f = model(z, sc, t)
-    for i in (0, 3, 5):  # changing position i's inputs changes every residual but its own
-        moved = model(z.at[:, i].add(1.0), sc.at[:, i].add(1.0), t)
+    moved_at = (0, 3, 5)
+    # one forward of the unchanged rows and, for each i, the rows with position i's inputs moved
+    zs = jnp.concatenate([z, *(z.at[:, i].add(1.0) for i in moved_at)])
+    scs = jnp.concatenate([sc, *(sc.at[:, i].add(1.0) for i in moved_at)])
+    g, p = nnx.split(model)
+    out = jax.jit(lambda p: nnx.merge(g, p)(zs, scs, jnp.tile(t, 1 + len(moved_at))))(p).reshape(
+        1 + len(moved_at), *z.shape[:2], -1)
+    f = out[0]
+    for i, moved in zip(moved_at, out[1:]):  # changing position i's inputs changes every residual but its own
         assert float(jnp.abs(moved[:, i] - f[:, i]).max()) < 1e-5
         others = jnp.delete(jnp.abs(moved - f), i, axis=1)
         assert float(others.max(axis=(0, 2)).min()) > 1e-4
     # the context loss is the CE of the bounded residual alone (singular logits off in training)
-    (ctx, m_ctx), _ = _loss_and_grads(model, context_loss=True, self_condition_prob=0.0)
-    (plain, _), _ = _loss_and_grads(model, use_singular=False, self_condition_prob=0.0)
-    (paper, _), _ = _loss_and_grads(model, self_condition_prob=0.0)
-    assert float(ctx) == pytest.approx(float(plain), rel=1e-6) and abs(float(ctx) - float(paper)) > 1e-3
+    ctx, plain, paper = (_loss(model, context_loss=True, self_condition_prob=0.0),
+                         _loss(model, use_singular=False, self_condition_prob=0.0),
+                         _loss(model, self_condition_prob=0.0))
+    assert ctx == pytest.approx(plain, rel=1e-6) and abs(ctx - paper) > 1e-3
     # self-conditioning guesses X1_hat as the sampler does: with the singular logits
-    (ctx_sc, _), _ = _loss_and_grads(model, context_loss=True, self_condition_prob=1.0)
-    (plain_sc, _), _ = _loss_and_grads(model, use_singular=False, self_condition_prob=1.0)
-    assert abs(float(ctx_sc) - float(plain_sc)) > 1e-4
+    ctx_sc, plain_sc = (_loss(model, context_loss=True, self_condition_prob=1.0),
+                        _loss(model, use_singular=False, self_condition_prob=1.0))
+    assert abs(ctx_sc - plain_sc) > 1e-4
 
 
 def test_relf_cli_train_and_sample(tmp_path, capsys):
