@@ -307,3 +307,21 @@ def test_sample_relf_compiles_once_across_calls(tmp_path, capsys):
     for seed in range(3):
         workflows.sample_relf(lm, 2, nfe=3, batch_size=2, seed=seed)
     assert workflows._relf_tokens._cache_size() - before == 1
+
+
+def test_a_reflow_round_is_reused_only_under_its_own_settings(tmp_path):
+    from relf_jax import workflows
+    from relf_jax.checkpoint import Checkpointer
+
+    spec = {"data_weight": 1.0, "pair_weight": 1.0, "num_pairs": 512, "rollout_nfe": 64, "steps": 600}
+    workflows._check_round_settings(str(tmp_path / "none"), None, spec, "relf_reflow")  # nothing there: fine
+    for name, meta, record in (("new", {"reflow": spec}, None), ("old", {}, {"settings": spec})):
+        ckpt = Checkpointer(str(tmp_path / name), async_save=False)
+        ckpt.save(600, {"w": np.zeros(2, np.float32)}, meta=meta)
+        ckpt.close()
+        workflows._check_round_settings(str(tmp_path / name), record, spec, "relf_reflow")  # same settings
+        with pytest.raises(UserError, match="data_weight=1.0.*not data_weight=0.2"):
+            workflows._check_round_settings(str(tmp_path / name), record, {**spec, "data_weight": 0.2}, "relf_reflow")
+    # a round whose settings were never written cannot be told apart: refused
+    with pytest.raises(UserError, match="unknown settings.*another --name"):
+        workflows._check_round_settings(str(tmp_path / "old"), {"round": 1}, spec, "relf_reflow")
