@@ -100,24 +100,26 @@ def test_prompt_training_loss_skips_the_prompt_and_trains_the_known_input():
         plain(z, z, jnp.zeros((1,)), jnp.ones((1, 4), bool))
 
 
-def _loss_and_grads(model, **settings):
-    """(loss, metrics), grads of the flow loss with FlowLossSettings(**settings) on one fixed batch."""
-    g, p = nnx.split(model)
-    batch = {k: jnp.asarray(v) for k, v in next(CountingBatches()).items()}
-    frozen = {"embeddings": jnp.asarray(gaussian_embeddings(61, 8, seed=1))}
-
-    def f(p):
-        return make_flow_loss(FlowLossSettings(**settings))(nnx.merge(g, p), batch, jax.random.key(0), frozen)
-    return jax.jit(jax.value_and_grad(f, has_aux=True))(p)
-
-
-def _loss(model, **settings) -> float:
-    """The flow loss with FlowLossSettings(**settings) on `_loss_and_grads`'s batch, forward only."""
+def _fixed_loss(model, **settings):
+    """(params, f): f(params) is (loss, metrics) of the flow loss with FlowLossSettings(**settings)
+    on one fixed batch."""
     g, p = nnx.split(model)
     batch = {k: jnp.asarray(v) for k, v in next(CountingBatches()).items()}
     frozen = {"embeddings": jnp.asarray(gaussian_embeddings(61, 8, seed=1))}
     loss_fn = make_flow_loss(FlowLossSettings(**settings))
-    return float(jax.jit(lambda p: loss_fn(nnx.merge(g, p), batch, jax.random.key(0), frozen)[0])(p))
+    return p, lambda p: loss_fn(nnx.merge(g, p), batch, jax.random.key(0), frozen)
+
+
+def _loss_and_grads(model, **settings):
+    """(loss, metrics), grads of `_fixed_loss`."""
+    p, f = _fixed_loss(model, **settings)
+    return jax.jit(jax.value_and_grad(f, has_aux=True))(p)
+
+
+def _loss(model, **settings) -> float:
+    """The loss of `_fixed_loss`, forward only."""
+    p, f = _fixed_loss(model, **settings)
+    return float(jax.jit(lambda p: f(p)[0])(p))
 
 
 def test_aux_head_adds_its_weighted_ce_and_leaves_the_residual_alone():
