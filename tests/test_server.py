@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -117,6 +118,51 @@ def test_bad_input_gets_an_error_object_and_the_server_keeps_serving(server, nam
     assert err["message"] and err["type"]
     ok = httpx.post(f"{server}/v1/chat/completions", json={"model": "mock", "messages": USER}, timeout=30)
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "hello world"
+
+
+def test_lean_route_answers_as_the_fastapi_stack_does():
+    """Generation requests start on `LeanRoutes` (valid ones never reach FastAPI's stack); the
+    answers, errors included, are those of a server without it, and every request is timed."""
+    def http_count(base):
+        line = [ln for ln in httpx.get(f"{base}/metrics").text.splitlines()
+                if ln.startswith("relf_http_request_duration_seconds_count")]
+        return int(line[0].split()[-1])
+
+    mock_bad = [(n, b) for n, b, _ in BAD if not (isinstance(b, dict) and b.get("model") == "tiny")]
+    cases = [(n, "/v1/chat/completions", b, "application/json") for n, b in mock_bad] + [
+        ("past the mock's context", "/v1/chat/completions", {"model": "mock", "messages": USER, "max_tokens": 600},
+         "application/json"),
+        ("json as text/plain", "/v1/chat/completions", json.dumps({"model": "mock", "messages": USER}).encode(),
+         "text/plain"),
+        ("a json list", "/v1/completions", b"[1, 2]", "application/json; charset=utf-8"),
+        ("chat", "/v1/chat/completions", {"model": "mock", "messages": USER, "max_tokens": 5, "stop": ["or"]},
+         "application/json"),
+        ("completion", "/v1/completions", {"model": "mock", "prompt": "abc def", "seed": 3}, "application/json"),
+        ("stream", "/v1/chat/completions", {"model": "mock", "messages": USER, "stream": True,
+                                            "stream_options": {"include_usage": True}}, "application/json")]
+
+    def answers(base):
+        out = []
+        for name, path, body, ctype in cases:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            r = httpx.post(base + path, content=content, headers={"content-type": ctype}, timeout=30)
+            text = r.text
+            for key in ("id", "created"):  # per response
+                text = re.sub(rf'"{key}": ?("[^"]*"|\d+)', f'"{key}": 0', text)
+            out.append((name, r.status_code, r.headers["content-type"], text))
+        return out
+
+    with live_server(mock_models(2)) as lean, live_server(mock_models(2), lean=False) as stack:
+        got, want = answers(lean), answers(stack)
+        assert got == want
+        assert {status for _, status, _, _ in got} >= {200, 400, 404, 413}
+        assert http_count(lean) == http_count(stack) == len(cases)
+        # a chunked body past the limit (no content-length to refuse it by): 413 on the lean route
+        r = httpx.post(f"{lean}/v1/chat/completions", content=iter([b'{"pad": "', b"x" * (1 << 20), b'"}']),
+                       headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        ok = httpx.post(f"{lean}/v1/chat/completions", json={"model": "mock", "messages": USER}, timeout=30)
+        assert ok.json()["choices"][0]["message"]["content"] == "hello world"
 
 
 def test_full_queue_429_and_disconnect_frees_the_slot():
