@@ -59,6 +59,7 @@ class ServeBenchSizes:
     max_tokens: int = 64
     temperature: float = 1.0
     batch1_requests: int = 48
+    lean_route_reps: int = 3  # AR batch-1 runs on each of the lean and the FastAPI-stack servers (alternating)
     dws_requests: int = 400
     dws_loads: tuple[float, ...] = (0.9, 1.2)
     dws_reps: int = 3  # runs per load (each drives both policies at once)
@@ -74,7 +75,8 @@ SPEC_ENGINES = (("ar", ["--generator", "ar"]),
                 ("nsd_lookup", ["--generator", "nsd", "--proposer", "prompt_lookup"]),
                 ("nsd_ngram", ["--generator", "nsd", "--proposer", "corpus_ngram"]))
 
-QUICK = ServeBenchSizes(preset="tiny", requests=48, rate_factors=(1.0, 8.0), batch1_requests=8, dws_requests=48,
+QUICK = ServeBenchSizes(preset="tiny", requests=48, rate_factors=(1.0, 8.0), batch1_requests=8, lean_route_reps=1,
+                        dws_requests=48,
                         dws_loads=(1.2,), dws_reps=1, max_tokens=32, dws_max_tokens=48)
 
 
@@ -289,6 +291,31 @@ def _batch1(server: ServerProcess, bodies: list[dict]) -> dict:
             "server_overhead_share": (server_s - model_s) / max(e2e, 1e-9), "records": recs}
 
 
+def _lean_route_batch1(lean: ServerProcess, first: dict, stack_args: list[str], log_path: str, bodies: list[dict],
+                       reps: int) -> dict:
+    """Batch-1 server overhead with the lean route (`lean`, whose first batch-1 run is `first`)
+    and without it (a second server on the same model, ``--no-lean-routes``), side by side:
+    runs alternate between the two servers, `reps` each after `first`.
+
+    server_ms: the server's own milliseconds per request (its request seconds minus model
+    seconds); stack_over_lean: the ratio of the two medians."""
+    runs: dict[str, list[dict]] = {"lean": [first], "stack": []}
+    with ServerProcess(stack_args, log_path) as stack:
+        _batch1(stack, bodies[:4])  # warm its connection and first requests, as `first` had
+        for i in range(reps):
+            order = (("stack", stack), ("lean", lean)) if i % 2 == 0 else (("lean", lean), ("stack", stack))
+            for name, srv in order:
+                runs[name].append(_batch1(srv, bodies))
+    out: dict = {}
+    for name, rs in runs.items():
+        ms = [(r["server_s"] - r["model_s"]) / max(r["requests"], 1) * 1e3 for r in rs]
+        out[name] = {"server_ms": ms, "server_overhead_share": [r["server_overhead_share"] for r in rs],
+                     "e2e_mean_ms": [r["e2e_mean"] * 1e3 for r in rs]}
+    out["stack_over_lean_server_ms"] = float(np.median(out["stack"]["server_ms"]) / np.median(out["lean"]["server_ms"]))
+    out["median_server_overhead_share"] = {k: float(np.median(out[k]["server_overhead_share"])) for k in ("lean", "stack")}
+    return out
+
+
 # ----------------------------------------------------------------------------- the benchmark
 
 def _ensure_models(workdir: str, preset: str, overrides: Sequence[str]):
@@ -387,6 +414,11 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
                     print(f"[bench serve] {gen} x{f:g} ({rate:.2f} req/s): "
                           f"{runs[f'{f:g}']['output_tokens_per_s']:.0f} tok/s, "
                           f"mean e2e {runs[f'{f:g}']['e2e_mean']:.2f} s, errors {runs[f'{f:g}']['errors']}", flush=True)
+                if gen == "ar" and sz.lean_route_reps > 0:
+                    result["lean_route_batch1"] = _lean_route_batch1(
+                        srv, b1, [*common, *extra, "--no-lean-routes"], os.path.join(logs, "serve_ar_stack.log"),
+                        _bodies(prompts[:sz.batch1_requests], "m", max_tokens=sz.max_tokens,
+                                temperature=sz.temperature, seed=sz.seed), sz.lean_route_reps)
                 acc = srv.metric("relf_acceptance_length")
                 engines[gen] = {"batch1": {k: v for k, v in b1.items() if k != "records"}, "rates": runs,
                                 "acceptance_length": acc}
@@ -487,6 +519,9 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
     if "engines" in parts:
         summary["overhead_share_batch1"] = result["overhead_share_batch1"]
         summary["server_overhead_share_batch1"] = result["server_overhead_share_batch1"]
+        if "lean_route_batch1" in result:
+            summary["lean_route_batch1"] = {k: result["lean_route_batch1"][k] for k in
+                                            ("stack_over_lean_server_ms", "median_server_overhead_share")}
     if "dws" in parts:
         summary["dws"] = {k: {"measured": v["ratio_fcfs_over_sjf_measured"],
                               "simulated": v["ratio_fcfs_over_sjf_simulated"]} for k, v in result["dws"]["loads"].items()}

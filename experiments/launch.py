@@ -145,6 +145,9 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--chat-template", default=None, help="a .json marker template or a .jinja template")
     sv.add_argument("--mock", action="store_true", help="serve the model-free mock engine (echoes the user)")
     sv.add_argument("--mock-step-ms", type=float, default=0.0, help="mock: simulated model time per step")
+    sv.add_argument("--no-lean-routes", action="store_true",
+                    help="send generation requests through FastAPI's whole stack instead of the lean route "
+                         "(the same answers; for measuring the route, as bench serve does)")
     sv.add_argument("--log-level", default="info")
 
     sub.add_parser("info", help="devices, mesh and versions")
@@ -364,7 +367,7 @@ def _serve(args) -> int:
     name = next(iter(models))
     print(f"[serve] model {name!r} with {', '.join(s.generator for s in models[name])} on "
           f"http://{args.host}:{args.port}/v1 (policy {args.policy}, {args.slots} slots)", flush=True)
-    serve(models, host=args.host, port=args.port, log_level=args.log_level)
+    serve(models, host=args.host, port=args.port, log_level=args.log_level, lean=not args.no_lean_routes)
     return 0
 
 

@@ -293,3 +293,18 @@ def test_bench_load_generator_against_the_mock_server():
     assert s["requests"] == 13 and s["errors"] == 1 and s["error_kinds"] == ["HTTP 404"]
     assert s["output_tokens"] == sum(min(8, len(f"request {i}") + 1) for i in range(12))
     assert 0 < s["ttft_p50"] <= s["e2e_p50"] <= s["e2e_p99"] and s["output_tokens_per_s"] > 0
+
+
+def test_bench_lean_route_comparison_on_mock_servers(tmp_path):
+    """`bench serve`'s side-by-side batch-1 run of the lean route against `serve --no-lean-routes`."""
+    from experiments.bench_serve import ServerProcess, _batch1, _lean_route_batch1
+
+    bodies = [{"model": "mock", "stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": f"hi {i}"}]}
+              for i in range(6)]
+    args = ["--mock", "--mock-step-ms", "1", "--model-name", "mock"]
+    with ServerProcess(args, str(tmp_path / "lean.log")) as lean:
+        first = _batch1(lean, bodies)
+        out = _lean_route_batch1(lean, first, [*args, "--no-lean-routes"], str(tmp_path / "stack.log"), bodies, 2)
+    assert len(out["lean"]["server_ms"]) == 3 and len(out["stack"]["server_ms"]) == 2
+    assert all(ms > 0 for k in ("lean", "stack") for ms in out[k]["server_ms"])
+    assert out["stack_over_lean_server_ms"] > 0 and set(out["median_server_overhead_share"]) == {"lean", "stack"}

@@ -634,8 +634,9 @@ def prometheus_text(models: dict[str, list[ServedEngine]], http_totals: dict | N
 
 
 def serve(models: dict[str, list[ServedEngine]], *, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info", graceful_timeout_s: float | None = None) -> None:
-    """Run the server until SIGINT/SIGTERM; in-flight requests finish, then the batchers stop."""
+          log_level: str = "info", graceful_timeout_s: float | None = None, lean: bool = True) -> None:
+    """Run the server until SIGINT/SIGTERM; in-flight requests finish, then the batchers stop.
+    ``lean=False``: every request goes through FastAPI's whole stack (see `create_app`)."""
     import uvicorn
 
     class _Server(uvicorn.Server):
@@ -655,7 +656,7 @@ def serve(models: dict[str, list[ServedEngine]], *, host: str = "127.0.0.1", por
                 for s, h in old.items():
                     signal.signal(s, h)
 
-    app = create_app(models)
+    app = create_app(models, lean=lean)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout_s)
     server = _Server(config)
     try:
