@@ -16,7 +16,9 @@ Three comparisons, each side by side in one run:
    its prompt under the exact `synthetic_chat` judge, entropy, length.
 2. **Server overhead at batch 1**: requests sent one after another; the share of the
    client-measured end-to-end time that was not spent in engine prefill/steps (the server's
-   ``relf_model_seconds_total`` counter, read from /metrics before and after).
+   ``relf_model_seconds_total`` counter, read from /metrics before and after). For AR, also
+   side by side against a second server started with ``--no-lean-routes`` (every request
+   through FastAPI's whole stack), runs alternating (`_lean_route_batch1`).
 3. **FCFS vs SJF-DWS** on the block-diffusion engine with one slot (a non-preemptive server,
    where the discrete-event simulator is exact), both policies in one server process, each
    its own engine: every prompt is first timed alone (batch 1), then one Poisson stream is
@@ -298,7 +300,7 @@ def _lean_route_batch1(lean: ServerProcess, first: dict, stack_args: list[str], 
     runs alternate between the two servers, `reps` each after `first`.
 
     server_ms: the server's own milliseconds per request (its request seconds minus model
-    seconds); stack_over_lean: the ratio of the two medians."""
+    seconds); stack_over_lean_server_ms: the ratio of the two medians."""
     runs: dict[str, list[dict]] = {"lean": [first], "stack": []}
     with ServerProcess(stack_args, log_path) as stack:
         _batch1(stack, bodies[:4])  # warm its connection and first requests, as `first` had
