@@ -172,7 +172,10 @@ class LeanRoutes:
     """
 
     def __init__(self, routes: dict, error_response: Callable, totals: dict, limit: int):
+        from starlette.requests import Request
+
         self.routes, self.error_response, self.totals, self.limit = routes, error_response, totals, limit
+        self.request_cls = Request
 
     def takes(self, scope) -> bool:
         return scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path") in self.routes
@@ -209,10 +212,8 @@ class LeanRoutes:
             parsed = None
         if parsed is None:
             return await fallback(scope, _replay(body, receive), send)
-        from starlette.requests import Request
-
         try:
-            response = await endpoint(parsed, Request(scope, receive))
+            response = await endpoint(parsed, self.request_cls(scope, receive))
         except APIError as exc:
             response = self.error_response(exc)
         try:
