@@ -26,16 +26,23 @@ def pytest_configure(config):
     if not hasattr(config, "workerinput") and "RELF_JAX_TEST_JIT_CACHE" not in os.environ:
         config._relf_jit_cache = tempfile.mkdtemp(prefix="relf_jax_test_jit_")
         os.environ["RELF_JAX_TEST_JIT_CACHE"] = config._relf_jit_cache
-    # The tests' programs are tiny, so compiling them takes most of the suite's time, and most
-    # of a compile on the CPU is LLVM optimising the generated code. Level 0 compiles 1.3-1.5x
-    # faster (measured on the engine and training tests) and changes no result the tests
-    # check: XLA's own passes (fusion, layout, the compile options of relf_jax.compile_options)
-    # are the same, and the matmuls call the same library kernels. Reaches the subprocesses too.
-    # RELF_JAX_TEST_LLVM_OPT=N picks another level (XLA compiles at 3 by default).
-    level = os.environ.get("RELF_JAX_TEST_LLVM_OPT", "0")
+    # The tests' programs are tiny, so compiling them takes most of the suite's time. Three XLA:CPU
+    # flags cut compile time; the tests' checks hold with and without them (measured on this suite):
+    # - LLVM at optimisation level 0 (XLA's default is 3): 1.3-1.5x faster compiles of the
+    #   engine and training tests;
+    # - the older loop emitters for fusions instead of the MLIR fusion emitters, and
+    # - no XNNPACK rewrite of dots: together 1.5-1.9x on the engine and speculative tests.
+    # The per-program options of relf_jax.compile_options still apply. The flags go into
+    # XLA_FLAGS, so they reach the CLI subprocesses too.
+    # RELF_JAX_TEST_LLVM_OPT=N picks another LLVM level; RELF_JAX_TEST_XLA_DEFAULTS=1 drops all three.
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_backend_optimization_level" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level={level}".strip()
+    if os.environ.get("RELF_JAX_TEST_XLA_DEFAULTS", "") in ("", "0"):
+        level = os.environ.get("RELF_JAX_TEST_LLVM_OPT", "0")
+        for name, value in (("xla_backend_optimization_level", level), ("xla_cpu_use_fusion_emitters", "false"),
+                            ("xla_cpu_use_xnnpack", "false")):
+            if name not in flags:
+                flags = f"{flags} --{name}={value}".strip()
+        os.environ["XLA_FLAGS"] = flags
     cache = os.environ.get("RELF_JAX_TEST_JIT_CACHE")
     if cache:
         os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
