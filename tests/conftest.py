@@ -3,6 +3,7 @@
 import dataclasses
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -35,20 +36,34 @@ def pytest_configure(config):
     # The per-program options of relf_jax.compile_options still apply. The flags go into
     # XLA_FLAGS, so they reach the CLI subprocesses too.
     # RELF_JAX_TEST_LLVM_OPT=N picks another LLVM level; RELF_JAX_TEST_XLA_DEFAULTS=1 drops all three.
-    flags = os.environ.get("XLA_FLAGS", "")
-    if os.environ.get("RELF_JAX_TEST_XLA_DEFAULTS", "") in ("", "0"):
+    # XLA aborts the process on a flag it does not know, so each flag is first tried in a
+    # subprocess (once per run, by the controller; the workers inherit the result): a jaxlib
+    # that has dropped one runs the suite without it.
+    if os.environ.get("RELF_JAX_TEST_XLA_DEFAULTS", "") in ("", "0") and not hasattr(config, "workerinput"):
         level = os.environ.get("RELF_JAX_TEST_LLVM_OPT", "0")
-        for name, value in (("xla_backend_optimization_level", level), ("xla_cpu_use_fusion_emitters", "false"),
-                            ("xla_cpu_use_xnnpack", "false")):
-            if name not in flags:
-                flags = f"{flags} --{name}={value}".strip()
-        os.environ["XLA_FLAGS"] = flags
+        flags = os.environ.get("XLA_FLAGS", "")
+        wanted = [f"--{name}={value}" for name, value in (
+            ("xla_backend_optimization_level", level), ("xla_cpu_use_fusion_emitters", "false"),
+            ("xla_cpu_use_xnnpack", "false")) if name not in flags]
+        if wanted and not _xla_accepts(flags, wanted):
+            wanted = [f for f in wanted if _xla_accepts(flags, [f])]
+        os.environ["XLA_FLAGS"] = " ".join([flags, *wanted]).strip()
     cache = os.environ.get("RELF_JAX_TEST_JIT_CACHE")
     if cache:
         os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
         os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.3"
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
+
+
+def _xla_accepts(flags: str, extra: list[str]) -> bool:
+    """True when a fresh process compiles and runs a tiny program with these XLA flags."""
+    env = {**os.environ, "XLA_FLAGS": " ".join([flags, *extra]).strip(), "JAX_PLATFORMS": "cpu"}
+    code = "import jax; jax.block_until_ready(jax.jit(lambda x: x * 2 + 1)(1.0))"
+    try:
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def pytest_unconfigure(config):
