@@ -172,7 +172,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from relf_jax import jit_cache
     from relf_jax.errors import UserError
+
+    jit_cache.enable()  # programs compiled by an earlier relf-jax process are read back (RELF_JAX_JIT_CACHE=off)
 
     try:
         return _run(args)
