@@ -17,8 +17,10 @@ Three comparisons, each side by side in one run:
 2. **Server overhead at batch 1**: requests sent one after another; the share of the
    client-measured end-to-end time that was not spent in engine prefill/steps (the server's
    ``relf_model_seconds_total`` counter, read from /metrics before and after). For AR, also
-   side by side against a second server started with ``--no-lean-routes`` (every request
-   through FastAPI's whole stack), runs alternating (`_lean_route_batch1`).
+   side by side against a server started with ``--no-lean-routes`` (every request through
+   FastAPI's whole stack) and one started with ``--overlap on`` (each engine step starts before
+   the host work on the last one ends; off by default on CPU), runs going round the three
+   (`_lean_route_batch1`).
 3. **FCFS vs SJF-DWS** on the block-diffusion engine with one slot (a non-preemptive server,
    where the discrete-event simulator is exact), both policies in one server process, each
    its own engine: every prompt is first timed alone (batch 1), then one Poisson stream is
@@ -35,6 +37,7 @@ Three comparisons, each side by side in one run:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import glob
 import json
@@ -293,28 +296,36 @@ def _batch1(server: ServerProcess, bodies: list[dict]) -> dict:
             "server_overhead_share": (server_s - model_s) / max(e2e, 1e-9), "records": recs}
 
 
-def _lean_route_batch1(lean: ServerProcess, first: dict, stack_args: list[str], log_path: str, bodies: list[dict],
+def _lean_route_batch1(lean: ServerProcess, first: dict, variants: dict[str, tuple[list[str], str]], bodies: list[dict],
                        reps: int) -> dict:
-    """Batch-1 server overhead with the lean route (`lean`, whose first batch-1 run is `first`)
-    and without it (a second server on the same model, ``--no-lean-routes``), side by side:
-    runs alternate between the two servers, `reps` each after `first`.
+    """Batch-1 server overhead of the normal server (`lean`, whose first batch-1 run is `first`)
+    side by side with other servers on the same model, ``variants`` {name: (serve args, log
+    path)} -- the bench runs "stack" (``--no-lean-routes``: FastAPI's whole stack) and
+    "overlap" (``--overlap on``: each engine step starts before the host work on the last one).
+    Runs go round the servers, `reps` each after `first`, in mirrored orders.
 
     server_ms: the server's own milliseconds per request (its request seconds minus model
-    seconds); stack_over_lean_server_ms: the ratio of the two medians."""
-    runs: dict[str, list[dict]] = {"lean": [first], "stack": []}
-    with ServerProcess(stack_args, log_path) as stack:
-        _batch1(stack, bodies[:4])  # warm its connection and first requests, as `first` had
+    seconds); <name>_over_lean_server_ms and <name>_over_lean_e2e: ratios of the medians (server
+    ms, and the client's mean e2e); median_server_overhead_share per server."""
+    runs: dict[str, list[dict]] = {"lean": [first], **{name: [] for name in variants}}
+    with contextlib.ExitStack() as stack:
+        servers = {"lean": lean}
+        for name, (args, log_path) in variants.items():
+            servers[name] = stack.enter_context(ServerProcess(args, log_path))
+            _batch1(servers[name], bodies[:4])  # warm its connection and first requests, as `first` had
+        names = list(servers)
         for i in range(reps):
-            order = (("stack", stack), ("lean", lean)) if i % 2 == 0 else (("lean", lean), ("stack", stack))
-            for name, srv in order:
-                runs[name].append(_batch1(srv, bodies))
+            for name in names[::-1] if i % 2 == 0 else names:  # mirrored: ABC, CBA, ...
+                runs[name].append(_batch1(servers[name], bodies))
     out: dict = {}
     for name, rs in runs.items():
         ms = [(r["server_s"] - r["model_s"]) / max(r["requests"], 1) * 1e3 for r in rs]
         out[name] = {"server_ms": ms, "server_overhead_share": [r["server_overhead_share"] for r in rs],
                      "e2e_mean_ms": [r["e2e_mean"] * 1e3 for r in rs]}
-    out["stack_over_lean_server_ms"] = float(np.median(out["stack"]["server_ms"]) / np.median(out["lean"]["server_ms"]))
-    out["median_server_overhead_share"] = {k: float(np.median(out[k]["server_overhead_share"])) for k in ("lean", "stack")}
+    for name in variants:
+        out[f"{name}_over_lean_server_ms"] = float(np.median(out[name]["server_ms"]) / np.median(out["lean"]["server_ms"]))
+        out[f"{name}_over_lean_e2e"] = float(np.median(out[name]["e2e_mean_ms"]) / np.median(out["lean"]["e2e_mean_ms"]))
+    out["median_server_overhead_share"] = {k: float(np.median(out[k]["server_overhead_share"])) for k in runs}
     return out
 
 
@@ -418,7 +429,10 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
                           f"mean e2e {runs[f'{f:g}']['e2e_mean']:.2f} s, errors {runs[f'{f:g}']['errors']}", flush=True)
                 if gen == "ar" and sz.lean_route_reps > 0:
                     result["lean_route_batch1"] = _lean_route_batch1(
-                        srv, b1, [*common, *extra, "--no-lean-routes"], os.path.join(logs, "serve_ar_stack.log"),
+                        srv, b1, {"stack": ([*common, *extra, "--no-lean-routes"],
+                                            os.path.join(logs, "serve_ar_stack.log")),
+                                  "overlap": ([*common, *extra, "--overlap", "on"],
+                                              os.path.join(logs, "serve_ar_overlap.log"))},
                         _bodies(prompts[:sz.batch1_requests], "m", max_tokens=sz.max_tokens,
                                 temperature=sz.temperature, seed=sz.seed), sz.lean_route_reps)
                 acc = srv.metric("relf_acceptance_length")
@@ -522,8 +536,9 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
         summary["overhead_share_batch1"] = result["overhead_share_batch1"]
         summary["server_overhead_share_batch1"] = result["server_overhead_share_batch1"]
         if "lean_route_batch1" in result:
-            summary["lean_route_batch1"] = {k: result["lean_route_batch1"][k] for k in
-                                            ("stack_over_lean_server_ms", "median_server_overhead_share")}
+            summary["lean_route_batch1"] = {k: v for k, v in result["lean_route_batch1"].items()
+                                            if k.endswith(("_over_lean_server_ms", "_over_lean_e2e"))
+                                            or k == "median_server_overhead_share"}
     if "dws" in parts:
         summary["dws"] = {k: {"measured": v["ratio_fcfs_over_sjf_measured"],
                               "simulated": v["ratio_fcfs_over_sjf_simulated"]} for k, v in result["dws"]["loads"].items()}

@@ -148,6 +148,9 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--no-lean-routes", action="store_true",
                     help="send generation requests through FastAPI's whole stack instead of the lean route "
                          "(the same answers; for measuring the route, as bench serve does)")
+    sv.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
+                    help="start each engine step before the host work on the last one is done (the same "
+                         "answers); auto: on for the model engines on an accelerator, off on CPU")
     sv.add_argument("--log-level", default="info")
 
     sub.add_parser("info", help="devices, mesh and versions")
@@ -366,7 +369,8 @@ def _serve(args) -> int:
                           max_queue=args.max_queue, policy=args.policy, aging=args.aging, template=template,
                           cost_fn=cost_fn, mock=args.mock, mock_step_s=args.mock_step_ms / 1e3, k=args.k,
                           proposer=args.proposer, draft=args.draft, nsd_top_p=args.nsd_top_p, nfe=args.nfe,
-                          threshold=args.threshold, steps_per_call=args.steps_per_call, max_context=args.max_context)
+                          threshold=args.threshold, steps_per_call=args.steps_per_call, max_context=args.max_context,
+                          overlap={"auto": None, "on": True, "off": False}[args.overlap])
     name = next(iter(models))
     print(f"[serve] model {name!r} with {', '.join(s.generator for s in models[name])} on "
           f"http://{args.host}:{args.port}/v1 (policy {args.policy}, {args.slots} slots)", flush=True)

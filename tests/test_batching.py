@@ -165,3 +165,74 @@ def test_stop_drains_then_refuses():
     assert [s.result(timeout=1)[0] for s in sinks] == [f"reply {i}" for i in range(4)]
     with pytest.raises(ServerClosed):
         b.submit(_req("late"), Collect())
+
+
+def _serve_all(engine, reqs, overlap):
+    """Submit every request at once to a fresh batcher; (text, token ids, finish reason, completion tokens) each."""
+    b = Batcher(engine, overlap=overlap).start()
+    sinks = [Collect() for _ in reqs]
+    for r, s in zip(reqs, sinks):
+        b.submit(GenerationRequest(prompt=r.prompt, params=r.params, stop=r.stop), s)
+    out = []
+    for s in sinks:
+        ids, text = [], []
+        while True:
+            ev = s.events.get(timeout=60)
+            text.append(ev.text)
+            ids += ev.token_ids
+            if ev.finish_reason is not None:
+                break
+        out.append(("".join(text), ids, ev.finish_reason, ev.usage["completion_tokens"]))
+    b.stop()
+    return out, b.stats
+
+
+def test_overlapped_steps_give_every_request_the_same_tokens():
+    """With overlap the next step starts before the host work on the last one; requests that a
+    stop string, max_tokens or a stop token end get exactly what they get without it, and a
+    request that a stop string ends while a step is in flight gets none of that step's tokens."""
+    import jax
+
+    from relf_jax.serving.engines import AREngine
+    from tests._serving import tiny_lm
+
+    engine = AREngine(tiny_lm("ar", max_seq_len=64), 4, steps_per_call=2)
+    texts = ["hello there", "hi", "what is the weather", "tell me more", "ok", "bye now"]
+    reqs = [GenerationRequest(prompt=[TOK.bos_id] + TOK.encode(f"<user> {t} <assistant>"),
+                              params=RequestParams(max_tokens=9 + 3 * i, temperature=1.0, seed=i))
+            for i, t in enumerate(texts)]
+    free, _ = _serve_all(engine, reqs, overlap=False)
+    for r, (text, *_rest) in zip(reqs[::2], free[::2]):  # every other request: a stop string from its reply
+        r.stop = (text[5:7],) if len(text) >= 8 and text[5:7].strip() else ()
+    assert any(r.stop for r in reqs)
+    want, stats_off = _serve_all(engine, reqs, overlap=False)
+    got, stats_on = _serve_all(engine, reqs, overlap=True)
+    assert got == want
+    assert stats_off.overlapped == 0 and stats_on.overlapped > 0
+    assert Batcher(engine).overlap is (jax.default_backend() != "cpu") and not Batcher(MockEngine(1)).overlap
+    for r, (text, _, reason, _) in zip(reqs, want):
+        if r.stop:
+            assert reason == "stop" and r.stop[0] not in text
+
+
+def test_collect_counts_host_work_as_model_time_only_while_the_step_ran():
+    """`Pending`'s timing rule: a step still running when collected is model time from its
+    dispatch; one already finished counts only its dispatch and copy."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from relf_jax.serving.engines import Pending, _collect_rows
+
+    class Running:  # a step that had not finished at the collect call
+        def is_ready(self):
+            return False
+
+        def __array__(self, dtype=None, copy=None):
+            return np.zeros((1, 1, 3), np.int32)
+
+    now = time.perf_counter()
+    rows, model_s, early = _collect_rows(Pending(Running(), None, now - 5.0, now - 4.99), 1)
+    assert rows == [[[0, 0, 0]]] and not early and model_s >= 5.0
+    done = jnp.zeros((1, 1, 3), jnp.int32).block_until_ready()
+    rows, model_s, early = _collect_rows(Pending(done, None, now - 5.0, now - 4.99), 1)
+    assert early and 0.01 <= model_s < 1.0

@@ -296,7 +296,8 @@ def test_bench_load_generator_against_the_mock_server():
 
 
 def test_bench_lean_route_comparison_on_mock_servers(tmp_path):
-    """`bench serve`'s side-by-side batch-1 run of the lean route against `serve --no-lean-routes`."""
+    """`bench serve`'s side-by-side batch-1 runs of the normal server against `serve
+    --no-lean-routes` and `serve --overlap on`."""
     from experiments.bench_serve import ServerProcess, _batch1, _lean_route_batch1
 
     bodies = [{"model": "mock", "stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": f"hi {i}"}]}
@@ -304,7 +305,11 @@ def test_bench_lean_route_comparison_on_mock_servers(tmp_path):
     args = ["--mock", "--mock-step-ms", "1", "--model-name", "mock"]
     with ServerProcess(args, str(tmp_path / "lean.log")) as lean:
         first = _batch1(lean, bodies)
-        out = _lean_route_batch1(lean, first, [*args, "--no-lean-routes"], str(tmp_path / "stack.log"), bodies, 2)
-    assert len(out["lean"]["server_ms"]) == 3 and len(out["stack"]["server_ms"]) == 2
-    assert all(ms > 0 for k in ("lean", "stack") for ms in out[k]["server_ms"])
-    assert out["stack_over_lean_server_ms"] > 0 and set(out["median_server_overhead_share"]) == {"lean", "stack"}
+        out = _lean_route_batch1(lean, first, {"stack": ([*args, "--no-lean-routes"], str(tmp_path / "stack.log")),
+                                               "overlap": ([*args, "--overlap", "on"], str(tmp_path / "overlap.log"))},
+                                 bodies, 2)
+    names = ("lean", "stack", "overlap")
+    assert [len(out[k]["server_ms"]) for k in names] == [3, 2, 2]
+    assert all(ms > 0 for k in names for ms in out[k]["server_ms"])
+    assert all(out[f"{k}_over_lean_{m}"] > 0 for k in names[1:] for m in ("server_ms", "e2e"))
+    assert set(out["median_server_overhead_share"]) == set(names)

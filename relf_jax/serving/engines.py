@@ -81,9 +81,28 @@ class StepOutput:
 
     tokens: list[list[int]]  # new tokens per slot, in order (a stop token included when decided)
     done: list[bool]  # the engine finished the slot (stop token or context end)
-    model_s: float  # seconds in the jitted step (ends with the device-to-host copy)
+    model_s: float  # seconds in the jitted step (ends with the device-to-host copy; see `Pending`)
     accepted: list[int] | None = None  # speculative: draft tokens accepted per slot this step
     steps: list[int] | None = None  # sampler steps each slot ran while active (None: one per occupied slot)
+    ready_early: bool = False  # the step had finished before `collect` was called (see `Pending`)
+
+
+@dataclasses.dataclass
+class Pending:
+    """A step started by `Engine.dispatch` and not yet collected.
+
+    rows: the step's device output; idx: the slots it computed (None: all); t0 / t1: before and
+    after the dispatch returned. `collect` times the step as model seconds from t0 to the end of
+    the device-to-host copy when the step was still running at the collect call, so the host
+    work done between the two ran while the model did. When the step had already finished
+    (`ready_early`), when it finished is not known: the model seconds are then the dispatch and
+    the copy only, and the host work in between counts as overhead, never as model time.
+    """
+
+    rows: Any
+    idx: np.ndarray | None
+    t0: float
+    t1: float
 
 
 class Engine(abc.ABC):
@@ -95,6 +114,13 @@ class Engine(abc.ABC):
     tokenizer: Any
     stop_ids: tuple[int, ...]  # token ids that end a reply (EOS, the next turn's <user> marker)
     tokens_per_step: int = 1  # the most tokens one `generate` call can add to a slot
+
+    @property
+    def overlap_default(self) -> bool:
+        """Whether a batcher should overlap host work with this engine's steps by default (see
+        `relf_jax.serving.batching`): only for an engine whose `dispatch` returns before its
+        step ends, on an accelerator (on CPU the step and the host share the cores)."""
+        return type(self).dispatch is not Engine.dispatch and jax.default_backend() != "cpu"
 
     @abc.abstractmethod
     def init_state(self) -> Any:
@@ -119,6 +145,18 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def generate(self, state: Any) -> tuple[Any, StepOutput]:
         """Advance every occupied slot by one step."""
+
+    def dispatch(self, state: Any) -> tuple[Any, Any]:
+        """Start a `generate` step without waiting for it: (new state, a handle for `collect`).
+
+        An engine whose step runs asynchronously (JAX dispatch) returns before the step ends, so
+        the caller's host work overlaps it; the state it returns may be used at once (freed
+        slots, new prefills queue behind the step). The default runs `generate` to the end."""
+        return self.generate(state)
+
+    def collect(self, pending: Any) -> StepOutput:
+        """The StepOutput of a step started by `dispatch` (waits for it)."""
+        return pending
 
     @abc.abstractmethod
     def free(self, state: Any, slot: int, stopped: bool = False) -> Any:
@@ -270,6 +308,16 @@ def _expand(rows: list, idx: np.ndarray | None, num_slots: int) -> list:
     return full
 
 
+def _collect_rows(pending: Pending, num_slots: int) -> tuple[list, float, bool]:
+    """(per-slot rows as Python ints, model seconds, ready_early) of a dispatched step (see `Pending`)."""
+    t2 = time.perf_counter()
+    early = pending.rows.is_ready()
+    rows = _expand(np.asarray(pending.rows).tolist(), pending.idx, num_slots)  # one device-to-host copy
+    t3 = time.perf_counter()
+    model_s = (pending.t1 - pending.t0) + (t3 - t2) if early else t3 - pending.t0
+    return rows, model_s, early
+
+
 def _context(model_max: int, max_context: int | None) -> int:
     """An engine's context: the model's, or `max_context` below it (`load_engine`'s docstring)."""
     if max_context is None:
@@ -412,19 +460,24 @@ class AREngine(Engine):
 
         return _run_steps(step, slots, self.steps_per_call, 3)  # [slots, steps, (token, emitted, done)]
 
-    def generate(self, state):
+    def dispatch(self, state):
         t0 = time.perf_counter()
         idx = _subset(state, self.num_slots) if self.compact else None
         if idx is None:
             slots, out = self._jit_step(self.lm.params, state.slots, nucleus=bool(state.nucleus))
         else:
             slots, out = self._jit_step_subset(self.lm.params, state.slots, idx=idx, nucleus=bool(state.nucleus))
-        state = dataclasses.replace(state, slots=slots)
-        out = _expand(np.asarray(out).tolist(), idx, self.num_slots)  # one device-to-host copy; Python ints
-        model_s = time.perf_counter() - t0
+        return dataclasses.replace(state, slots=slots), Pending(out, idx, t0, time.perf_counter())
+
+    def collect(self, pending):
+        out, model_s, early = _collect_rows(pending, self.num_slots)
         toks = [[t for t, e, _ in row if e] for row in out]
-        return state, StepOutput(tokens=toks, done=[any(d for _, _, d in row) for row in out], model_s=model_s,
-                                 steps=[len(t) for t in toks])
+        return StepOutput(tokens=toks, done=[any(d for _, _, d in row) for row in out], model_s=model_s,
+                          steps=[len(t) for t in toks], ready_early=early)
+
+    def generate(self, state):
+        state, pending = self.dispatch(state)
+        return state, self.collect(pending)
 
 
 
@@ -559,7 +612,7 @@ class SpeculativeEngine(Engine):
         # [slots, rounds, (k + 1 tokens, count, done, accepted)]
         return _run_steps(round_, slots, self.steps_per_call, self.k + 4)
 
-    def generate(self, state):
+    def dispatch(self, state):
         t0 = time.perf_counter()
         idx = _subset(state, self.num_slots) if self.compact else None
         args = (self.lm.params, self._draft_parts()[1], state.slots)
@@ -567,14 +620,19 @@ class SpeculativeEngine(Engine):
             slots, out = self._jit_step(*args, nucleus=bool(state.nucleus))
         else:
             slots, out = self._jit_step_subset(*args, idx=idx, nucleus=bool(state.nucleus))
-        state = dataclasses.replace(state, slots=slots)
-        out = _expand(np.asarray(out).tolist(), idx, self.num_slots)  # one device-to-host copy; Python ints
-        model_s = time.perf_counter() - t0
+        return dataclasses.replace(state, slots=slots), Pending(out, idx, t0, time.perf_counter())
+
+    def collect(self, pending):
+        out, model_s, early = _collect_rows(pending, self.num_slots)
         w = self.k + 1
         toks = [[t for r in row for t in r[:r[w]]] for row in out]
-        return state, StepOutput(tokens=toks, done=[any(r[w + 1] for r in row) for row in out], model_s=model_s,
-                                 accepted=[sum(r[w + 2] for r in row) for row in out],
-                                 steps=[sum(r[w] > 0 for r in row) for row in out])
+        return StepOutput(tokens=toks, done=[any(r[w + 1] for r in row) for row in out], model_s=model_s,
+                          accepted=[sum(r[w + 2] for r in row) for row in out],
+                          steps=[sum(r[w] > 0 for r in row) for row in out], ready_early=early)
+
+    def generate(self, state):
+        state, pending = self.dispatch(state)
+        return state, self.collect(pending)
 
 
 # ------------------------------------------------------------------------------ block diffusion

@@ -606,6 +606,9 @@ def prometheus_text(models: dict[str, list[ServedEngine]], http_totals: dict | N
     metric("relf_model_seconds_total", "counter", "Seconds spent in engine prefill and steps.",
            each(lambda s: s.batcher.stats.model_s))
     metric("relf_engine_steps_total", "counter", "Engine generate steps.", each(lambda s: s.batcher.stats.steps))
+    metric("relf_overlapped_steps_total", "counter",
+           "Engine steps started before the host work on the previous step (timed as model seconds only "
+           "while the step was still running).", each(lambda s: s.batcher.stats.overlapped))
     metric("relf_acceptance_length", "gauge",
            "Mean tokens a request gains per step (speculative: accepted drafts + 1).",
            each(lambda s: s.batcher.stats.tokens / max(s.batcher.stats.slot_steps, 1)))
@@ -671,13 +674,15 @@ def serve(models: dict[str, list[ServedEngine]], *, host: str = "127.0.0.1", por
 def build_models(workdir: str | None, generators: list[str], *, model_name: str | None = None, slots: int = 8,
                  max_queue: int = 256, policy: str = "fcfs", aging: float = 0.05, template: ChatTemplate | None = None,
                  cost_fn=None, mock: bool = False, mock_step_s: float = 0.0, warmup: bool = True,
-                 **engine_kw) -> dict[str, list[ServedEngine]]:
+                 overlap: bool | None = None, **engine_kw) -> dict[str, list[ServedEngine]]:
     """Engines + batchers for `relf-jax serve`: one model id with one engine per generator.
 
     policy: "fcfs", "sjf" (shortest predicted DWS cost first, with `aging` cost-seconds per
     second waited; needs `cost_fn`, e.g. `relf_jax.dws.predictor.WorkloadCost`) or "priority"
     (the request's ``priority`` field, aging in levels per second). ``mock=True`` serves the
-    model-free `MockEngine` (no checkpoint needed).
+    model-free `MockEngine` (no checkpoint needed). overlap: `Batcher`'s (the next engine step
+    starts before the host work on the last one; None: the engine's default, on only on an
+    accelerator).
     """
     import os
 
@@ -713,7 +718,7 @@ def build_models(workdir: str | None, generators: list[str], *, model_name: str 
             settings["k"] = engine.k
         if gen == "relf":
             settings["nfe"] = engine.flow_settings.nfe
-        batcher = Batcher(engine, pol, max_queue=max_queue, cost_fn=cost_fn).start()
+        batcher = Batcher(engine, pol, max_queue=max_queue, cost_fn=cost_fn, overlap=overlap).start()
         served.append(ServedEngine(engine=engine, batcher=batcher, template=template or ChatTemplate(),
                                    generator=gen, settings=settings))
     return {name: served}
