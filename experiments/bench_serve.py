@@ -18,9 +18,8 @@ Three comparisons, each side by side in one run:
    client-measured end-to-end time that was not spent in engine prefill/steps (the server's
    ``relf_model_seconds_total`` counter, read from /metrics before and after). For AR, also
    side by side against a server started with ``--no-lean-routes`` (every request through
-   FastAPI's whole stack) and one started with ``--overlap on`` (each engine step starts before
-   the host work on the last one ends; off by default on CPU), runs going round the three
-   (`_lean_route_batch1`).
+   FastAPI's whole stack) and one started with ``--overlap off`` (no engine step starts before
+   the host work on the last one ends), runs going round the three (`_lean_route_batch1`).
 3. **FCFS vs SJF-DWS** on the block-diffusion engine with one slot (a non-preemptive server,
    where the discrete-event simulator is exact), both policies in one server process, each
    its own engine: every prompt is first timed alone (batch 1), then one Poisson stream is
@@ -301,7 +300,7 @@ def _lean_route_batch1(lean: ServerProcess, first: dict, variants: dict[str, tup
     """Batch-1 server overhead of the normal server (`lean`, whose first batch-1 run is `first`)
     side by side with other servers on the same model, ``variants`` {name: (serve args, log
     path)} -- the bench runs "stack" (``--no-lean-routes``: FastAPI's whole stack) and
-    "overlap" (``--overlap on``: each engine step starts before the host work on the last one).
+    "no_overlap" (``--overlap off``: no engine step starts before the host work on the last one ends).
     Runs go round the servers, `reps` each after `first`, in mirrored orders.
 
     server_ms: the server's own milliseconds per request (its request seconds minus model
@@ -414,6 +413,14 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
                                           temperature=sz.temperature, seed=sz.seed))
                 if gen == "ar":
                     base_rate = b1["requests"] / b1["wall_s"]
+                    if sz.lean_route_reps > 0:  # before the loaded runs: every server compared is fresh
+                        result["lean_route_batch1"] = _lean_route_batch1(
+                            srv, b1, {"stack": ([*common, *extra, "--no-lean-routes"],
+                                                os.path.join(logs, "serve_ar_stack.log")),
+                                      "no_overlap": ([*common, *extra, "--overlap", "off"],
+                                                     os.path.join(logs, "serve_ar_no_overlap.log"))},
+                            _bodies(prompts[:sz.batch1_requests], "m", max_tokens=sz.max_tokens,
+                                    temperature=sz.temperature, seed=sz.seed), sz.lean_route_reps)
                 runs = {}
                 bodies = _bodies(prompts[:sz.requests], "m", max_tokens=sz.max_tokens, temperature=sz.temperature,
                                  seed=sz.seed)
@@ -427,14 +434,6 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
                     print(f"[bench serve] {gen} x{f:g} ({rate:.2f} req/s): "
                           f"{runs[f'{f:g}']['output_tokens_per_s']:.0f} tok/s, "
                           f"mean e2e {runs[f'{f:g}']['e2e_mean']:.2f} s, errors {runs[f'{f:g}']['errors']}", flush=True)
-                if gen == "ar" and sz.lean_route_reps > 0:
-                    result["lean_route_batch1"] = _lean_route_batch1(
-                        srv, b1, {"stack": ([*common, *extra, "--no-lean-routes"],
-                                            os.path.join(logs, "serve_ar_stack.log")),
-                                  "overlap": ([*common, *extra, "--overlap", "on"],
-                                              os.path.join(logs, "serve_ar_overlap.log"))},
-                        _bodies(prompts[:sz.batch1_requests], "m", max_tokens=sz.max_tokens,
-                                temperature=sz.temperature, seed=sz.seed), sz.lean_route_reps)
                 acc = srv.metric("relf_acceptance_length")
                 engines[gen] = {"batch1": {k: v for k, v in b1.items() if k != "records"}, "rates": runs,
                                 "acceptance_length": acc}

@@ -150,7 +150,7 @@ def _parser() -> argparse.ArgumentParser:
                          "(the same answers; for measuring the route, as bench serve does)")
     sv.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                     help="start each engine step before the host work on the last one is done (the same "
-                         "answers); auto: on for the model engines on an accelerator, off on CPU")
+                         "answers); auto: on for the AR and speculative engines")
     sv.add_argument("--log-level", default="info")
 
     sub.add_parser("info", help="devices, mesh and versions")

@@ -297,7 +297,7 @@ def test_bench_load_generator_against_the_mock_server():
 
 def test_bench_lean_route_comparison_on_mock_servers(tmp_path):
     """`bench serve`'s side-by-side batch-1 runs of the normal server against `serve
-    --no-lean-routes` and `serve --overlap on`."""
+    --no-lean-routes` and `serve --overlap off`."""
     from experiments.bench_serve import ServerProcess, _batch1, _lean_route_batch1
 
     bodies = [{"model": "mock", "stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": f"hi {i}"}]}
@@ -306,9 +306,10 @@ def test_bench_lean_route_comparison_on_mock_servers(tmp_path):
     with ServerProcess(args, str(tmp_path / "lean.log")) as lean:
         first = _batch1(lean, bodies)
         out = _lean_route_batch1(lean, first, {"stack": ([*args, "--no-lean-routes"], str(tmp_path / "stack.log")),
-                                               "overlap": ([*args, "--overlap", "on"], str(tmp_path / "overlap.log"))},
+                                               "no_overlap": ([*args, "--overlap", "off"],
+                                                              str(tmp_path / "no_overlap.log"))},
                                  bodies, 2)
-    names = ("lean", "stack", "overlap")
+    names = ("lean", "stack", "no_overlap")
     assert [len(out[k]["server_ms"]) for k in names] == [3, 2, 2]
     assert all(ms > 0 for k in names for ms in out[k]["server_ms"])
     assert all(out[f"{k}_over_lean_{m}"] > 0 for k in names[1:] for m in ("server_ms", "e2e"))

@@ -12,17 +12,17 @@ requests join and leave between engine steps.
    its `max_tokens`, or the end of the context, and its slot is freed before the next step.
 
 Overlap (``overlap=True``; the default is the engine's `Engine.overlap_default`: on for the
-model engines on an accelerator, off on CPU): the engine's steps are dispatched asynchronously
-(`Engine.dispatch` / `collect`), and when a step's output ends no request for certain (no slot
-the engine stopped, none at its `max_tokens`) and nobody waits for a free slot, the next step is
-dispatched *before* that output's text, sinks and bookkeeping are done, so the host work runs
-while the model computes. On a CPU backend the model's step and the host work share the same
-cores: measured on 2 cores (batch-1 AR through the batcher, alternating runs) it changed the
-end-to-end time by nothing beyond the noise, so it stays off there. A request that a stop string (or a cancel) ends during that work has
-one more step computed for it; its tokens are dropped (outputs go to the request that held the
-slot when the step was dispatched) and its slot is freed after that step, as after any step.
+AR and speculative engines, whose steps are dispatched asynchronously by `Engine.dispatch` /
+`collect`): when a step's output ends no request for certain (no slot the engine stopped, none
+at its `max_tokens`) and nobody waits for a free slot, the next step is dispatched *before*
+that output's text, sinks and bookkeeping are done, so the host work runs while the model
+computes.
+
+A request that a stop string (or a cancel) ends during that host work has one more step
+computed for it; its tokens are dropped (a step's outputs go to the requests that held its
+slots when it was dispatched) and its slot is freed after that step, as after any step.
 Requests are only admitted while no step is in flight, so a prefill is never timed behind a
-step. Each request's tokens are the same with and without overlap.
+step. Each request's tokens are the same with and without overlap (tested).
 
 Callers `submit` a `GenerationRequest` with a *sink*, a function called (from the batcher's
 thread) with each `Event`; the server bridges it into asyncio, `ChatModel` into a queue.
@@ -244,8 +244,9 @@ class Batcher:
                     handle, owners, overlapped = pending
                     out = self.engine.collect(handle)
                     if overlapped:
-                        self.stats.overlapped += 1
-                        self.stats.ready_early += bool(out.ready_early)
+                        with self._lock:
+                            self.stats.overlapped += 1
+                            self.stats.ready_early += bool(out.ready_early)
                     pending = self._dispatch(True) if self.overlap and self._can_overlap(out, owners) else None
                     self._take_step(out, owners)
                     if pending is not None:

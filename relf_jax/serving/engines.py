@@ -118,9 +118,8 @@ class Engine(abc.ABC):
     @property
     def overlap_default(self) -> bool:
         """Whether a batcher should overlap host work with this engine's steps by default (see
-        `relf_jax.serving.batching`): only for an engine whose `dispatch` returns before its
-        step ends, on an accelerator (on CPU the step and the host share the cores)."""
-        return type(self).dispatch is not Engine.dispatch and jax.default_backend() != "cpu"
+        `relf_jax.serving.batching`): for an engine whose `dispatch` returns before its step ends."""
+        return type(self).dispatch is not Engine.dispatch
 
     @abc.abstractmethod
     def init_state(self) -> Any:

@@ -681,8 +681,8 @@ def build_models(workdir: str | None, generators: list[str], *, model_name: str 
     second waited; needs `cost_fn`, e.g. `relf_jax.dws.predictor.WorkloadCost`) or "priority"
     (the request's ``priority`` field, aging in levels per second). ``mock=True`` serves the
     model-free `MockEngine` (no checkpoint needed). overlap: `Batcher`'s (the next engine step
-    starts before the host work on the last one; None: the engine's default, on only on an
-    accelerator).
+    starts before the host work on the last one; None: the engine's default, on for the AR and
+    speculative engines).
     """
     import os
 
