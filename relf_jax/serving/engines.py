@@ -702,6 +702,7 @@ class BlockDiffusionEngine(Engine):
         self.settings = bdd.BlockDecodeSettings(block_size=d, max_blocks=1, mask_id=mask_id(lm.model_cfg),
                                                 pad_id=lm.tokenizer.pad_id, stop_ids=self.stop_ids,
                                                 threshold=threshold)
+        self._weights = _Leaves(lm.params)
         self._jit_step = jax.jit(self._step_all, donate_argnums=(1,))
         self._jit_insert = jax.jit(_set_slot, donate_argnums=(0,))
         self._jit_prefill = jax.jit(self._prefix_data)
@@ -718,7 +719,7 @@ class BlockDiffusionEngine(Engine):
     def prefill(self, prompt, params):
         arr, plen = self._padded(prompt)
         t0 = time.perf_counter()
-        data = jax.block_until_ready(self._jit_prefill(self.lm.params, arr, plen, np.uint32(params.seed),
+        data = jax.block_until_ready(self._jit_prefill(self._weights.leaves, arr, plen, np.uint32(params.seed),
                                                        np.float32(params.temperature)))
         return Prefix(data=data, tokens=[], done=False, model_s=time.perf_counter() - t0)
 
@@ -733,7 +734,7 @@ class BlockDiffusionEngine(Engine):
     def _prefix_data(self, params, prompts, prompt_len, seed, temperature):
         """One padded prompt's slot data (its prefilled cache): traced, the seed's key made inside."""
         bdd = self._bdd
-        cache = bdd._prefill_jit(self.lm.graphdef, params, prompts, prompt_len, canvas_len=self.max_context,
+        cache = bdd._prefill_jit(self.lm.graphdef, self._weights.tree(params), prompts, prompt_len, canvas_len=self.max_context,
                                  settings=self.settings)
         return _BDSlot(canvas=bdd._canvas(prompts, self.max_context, self.tokenizer.pad_id), cache=cache,
                        prompt_len=prompt_len, blocks=jnp.int32(0), done=jnp.zeros((1,), bool),
@@ -745,7 +746,7 @@ class BlockDiffusionEngine(Engine):
     def prefill_insert(self, prompt, params, state, slot):
         arr, plen = self._padded(prompt)
         t0 = time.perf_counter()
-        state = jax.block_until_ready(self._jit_prefill_insert(self.lm.params, state, arr, plen,
+        state = jax.block_until_ready(self._jit_prefill_insert(self._weights.leaves, state, arr, plen,
                                                                np.uint32(params.seed),
                                                                np.float32(params.temperature), slot))
         return state, Prefix(data=None, tokens=[], done=False, model_s=time.perf_counter() - t0)
@@ -755,7 +756,7 @@ class BlockDiffusionEngine(Engine):
 
     def _step_all(self, params, slots: _BDSlot):
         bdd, settings, d = self._bdd, self.settings, self.block_size
-        model = nnx.merge(self.lm.graphdef, params)
+        model = nnx.merge(self.lm.graphdef, self._weights.tree(params))
 
         def one(sl: _BDSlot):
             active = ~sl.done
@@ -790,7 +791,7 @@ class BlockDiffusionEngine(Engine):
 
     def generate(self, state):
         t0 = time.perf_counter()
-        state, out = self._jit_step(self.lm.params, state)
+        state, out = self._jit_step(self._weights.leaves, state)
         out = np.asarray(out).tolist()  # one device-to-host copy; Python ints from here on
         model_s = time.perf_counter() - t0
         d = self.block_size
@@ -838,6 +839,7 @@ class ReLFEngine(Engine):
         self.max_context = self.length
         self.stop_ids = turn_stop_ids(lm.tokenizer)
         self.tokens_per_step = self.length
+        self._weights = _Leaves(lm.params)
         self._jit_step = jax.jit(self._step_all, donate_argnums=(1,))
         self._jit_insert = jax.jit(_set_slot, donate_argnums=(0,))
         self._jit_prefill = jax.jit(self._prefix_data)
@@ -880,9 +882,10 @@ class ReLFEngine(Engine):
         from relf_jax.flow.samplers import sample as flow_sample
 
         graphdef, table, settings = self.lm.graphdef, self.table, self.flow_settings
+        weights = self._weights.tree(params)
 
         def residual(z, t, sc, known=None):
-            return nnx.merge(graphdef, params)(z, sc, t, known)
+            return nnx.merge(graphdef, weights)(z, sc, t, known)
 
         def one(sl: _FlowSlot):
             known = jnp.arange(self.length) < sl.prompt_len
@@ -896,7 +899,7 @@ class ReLFEngine(Engine):
     def generate(self, state):
         t0 = time.perf_counter()
         plen = np.asarray(state.prompt_len)
-        state, out, active = self._jit_step(self.lm.params, state)
+        state, out, active = self._jit_step(self._weights.leaves, state)
         out, active = jax.device_get((out, active))
         model_s = time.perf_counter() - t0
         toks, done = [], []
