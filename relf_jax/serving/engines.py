@@ -4,7 +4,9 @@ The interface has the shape of JetStream's: an engine owns a decode state with a
 of *slots*; a request is run through `prefill` on its own, its result is put into a free slot
 with `insert`, and every `generate` call advances all occupied slots by one step. Requests
 join and leave between steps (`relf_jax.serving.batching`); a slot whose request finished or
-was cancelled is released with `free` and may be reused at once.
+was cancelled is released with `free` and may be reused at once. `dispatch` and `collect` are
+the two halves of `generate` (start the step; wait for its output), so a caller can do host
+work while a step runs.
 
 - `AREngine`: one token per step (the sampler of `relf_jax.sampling.autoregressive`).
 - `SpeculativeEngine`: one draft/verify round per step, 1..k+1 tokens (the round of
