@@ -189,6 +189,8 @@ def test_full_queue_429_and_disconnect_frees_the_slot():
         assert 'relf_requests_total{model="mock",generator="mock",reason="cancelled"} 2.0' in metrics
         assert 'relf_rejected_total{model="mock",generator="mock"} 1.0' in metrics
         assert "relf_ttft_seconds_count" in metrics and "relf_queue_length" in metrics
+        assert all(f"{m}{{model=\"mock\",generator=\"mock\"}} 0" in metrics  # the mock engine steps synchronously
+                   for m in ("relf_overlapped_steps_total", "relf_overlapped_steps_ready_early_total"))
         # server-side seconds of generation requests (RequestTimer): counted, and positive
         count = [ln for ln in metrics.splitlines() if ln.startswith("relf_http_request_duration_seconds_count")]
         total = [ln for ln in metrics.splitlines() if ln.startswith("relf_http_request_duration_seconds_sum")]

@@ -609,6 +609,9 @@ def prometheus_text(models: dict[str, list[ServedEngine]], http_totals: dict | N
     metric("relf_overlapped_steps_total", "counter",
            "Engine steps started before the host work on the previous step (timed as model seconds only "
            "while the step was still running).", each(lambda s: s.batcher.stats.overlapped))
+    metric("relf_overlapped_steps_ready_early_total", "counter",
+           "Overlapped steps that had already finished when collected (their host work counted as overhead).",
+           each(lambda s: s.batcher.stats.ready_early))
     metric("relf_acceptance_length", "gauge",
            "Mean tokens a request gains per step (speculative: accepted drafts + 1).",
            each(lambda s: s.batcher.stats.tokens / max(s.batcher.stats.slot_steps, 1)))
