@@ -79,6 +79,11 @@ QUICK = DWSBenchSizes(bd_steps=150, n_train=400, n_probe=60, n_test=120, coarse_
 # the headline predictor's median cost (`CostModel.sample_costs`), the MAE-optimal point of the
 # same predicted distribution (the scalar baselines regress log(1 + y), also median-like)
 PREDICTORS = ("dws", "dws_continue", "dws_median", "length", "steps", "prompt_len", "oracle")
+# The ceilings: each scalar baseline's cost line fed the request's *realised* scalar (reply
+# length in tokens, total steps) instead of a prediction, fitted on the probes the same way.
+# oracle / length_oracle is the most the DWS-over-length error ratio could reach with perfect
+# predictors on this model's workload; steps_oracle likewise for total steps.
+SCALAR_ORACLES = ("length_oracle", "steps_oracle")
 # predictor directory (under the run's predictor_* folder) -> (head, block head)
 PREDICTOR_DIRS = {"surface_length": ("surface", "length"), "surface": ("surface", "continue"),
                   "length": ("length", "continue"), "steps": ("steps", "continue")}
@@ -197,9 +202,16 @@ def bench_dws(out: str, quick: bool = False, workdir: str | None = None, overrid
     pred_cost = {"dws": model.predict(m_test, s_test), "oracle": model.predict(m_test, test_maps),
                  "dws_continue": model.predict(m_test, predicted["surface"][1]),
                  "dws_median": np.median(model.sample_costs(m_test, s_test), axis=1)}
+    realised = {"length_oracle": [len(lg.output) for lg in probe_logs + test_logs],
+                "steps_oracle": [lg.total_steps for lg in probe_logs + test_logs]}
+    for name, x in realised.items():
+        scalars[name] = (np.asarray(x[:len(probe_logs)], np.float64), np.asarray(x[len(probe_logs):], np.float64))
     for name, (xp, xt) in scalars.items():
-        pred_cost[name] = cm.fit_scalar_cost(xp, probe_cost).predict(xt)
-    errors = {name: cost_errors(pred_cost[name], test_cost) for name in PREDICTORS}
+        if name in SCALAR_ORACLES and np.all(xp == xp[0]):  # every probe the same length: no slope
+            pred_cost[name] = np.full(len(xt), float(np.mean(probe_cost)))
+        else:
+            pred_cost[name] = cm.fit_scalar_cost(xp, probe_cost).predict(xt)
+    errors = {name: cost_errors(pred_cost[name], test_cost) for name in PREDICTORS + SCALAR_ORACLES}
     surface_violations = sum(len(check_surface(s)) for s in s_test)
 
     # --- transfer: bfloat16 compute as the other hardware; keep the predictor, refit the cost model
@@ -259,6 +271,9 @@ def bench_dws(out: str, quick: bool = False, workdir: str | None = None, overrid
         "error_ratio_vs_length": errors["length"]["mae"] / errors["dws"]["mae"],
         "error_ratio_vs_steps": errors["steps"]["mae"] / errors["dws"]["mae"],
         "error_ratio_vs_prompt_len": errors["prompt_len"]["mae"] / errors["dws"]["mae"],
+        # with every prediction perfect: the realised surface's error against each realised scalar's
+        "error_ratio_ceiling": {"vs_length": errors["length_oracle"]["mae"] / errors["oracle"]["mae"],
+                                "vs_steps": errors["steps_oracle"]["mae"] / errors["oracle"]["mae"]},
         # the same ratios for the continuation block head and for the median point prediction
         "error_ratio_vs_length_by_predictor": {k: errors["length"]["mae"] / errors[k]["mae"]
                                                for k in ("dws", "dws_continue", "dws_median")},
@@ -279,6 +294,7 @@ def bench_dws(out: str, quick: bool = False, workdir: str | None = None, overrid
         "predictor_train_s": train_s,
         # per test request, for offline analysis: measured runs and every predictor's cost
         "requests": [{"source": p.source, "prompt_len": lg.prompt_len, "steps_per_block": lg.steps_per_block,
+                      "output_len": len(lg.output),
                       "cost_s": lg.total_s, "first_block_s": lg.first_block_s, "cost_bf16_s": lg16.total_s,
                       "predicted_cost_s": {k: float(v[i]) for k, v in pred_cost.items()}}
                      for i, (p, lg, lg16) in enumerate(zip(test_p, test_logs, test16))],
@@ -287,7 +303,7 @@ def bench_dws(out: str, quick: bool = False, workdir: str | None = None, overrid
     base = os.path.splitext(out)[0]
     result["plots"] = _plots(base, s_test, test_maps, test_p, single["latency"], sz.loads)
     _write_json(out, result)
-    print(json.dumps({k: result[k] for k in ("error_ratio_vs_length", "error_ratio_vs_steps",
+    print(json.dumps({k: result[k] for k in ("error_ratio_vs_length", "error_ratio_vs_steps", "error_ratio_ceiling",
                                               "latency_ratio_fcfs_over_sjf_dws", "predictor_ms_per_prompt")},
                      indent=2))
     return result

@@ -16,7 +16,13 @@ def test_bench_dws_toy_sizes(tmp_path):
     out = str(tmp_path / "dws.json")
     bench_dws(out, quick=True, workdir=str(tmp_path / "wd"), sizes=sizes, overrides=["train.progress=false"])
     r = json.load(open(out))
-    assert set(r["error"]) == {"dws", "dws_continue", "dws_median", "length", "steps", "prompt_len", "oracle"}
+    assert set(r["error"]) == {"dws", "dws_continue", "dws_median", "length", "steps", "prompt_len", "oracle",
+                               "length_oracle", "steps_oracle"}
+    # the ceilings are the realised scalars' errors over the realised surface's
+    for name in ("length", "steps"):
+        assert r["error_ratio_ceiling"][f"vs_{name}"] == pytest.approx(
+            r["error"][f"{name}_oracle"]["mae"] / r["error"]["oracle"]["mae"])
+    assert all(q["output_len"] >= 0 for q in r["requests"])
     assert set(r["error_ratio_vs_length_by_predictor"]) == {"dws", "dws_continue", "dws_median"}
     assert os.path.isdir(r["predictor_dir"]) and r["predictor_dir"].endswith("surface_length")
     for e in r["error"].values():
