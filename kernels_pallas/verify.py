@@ -144,15 +144,24 @@ def ref_log_probs(logits: jax.Array, temperature=1.0, top_k=0, top_p=1.0) -> jax
     scaled = lax.cond(k > 0, keep_top_k, lambda x: x, scaled)
     scaled = lax.cond(top_p < 1.0, keep_nucleus, lambda x: x, scaled)
     out = jax.nn.log_softmax(scaled, axis=-1)
-    is_argmax = jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.bool_)
+    is_argmax = jax.nn.one_hot(_first_argmax(logits), v, dtype=jnp.bool_)
     one_hot = jnp.where(is_argmax, 0.0, -jnp.inf)
     return jnp.where(greedy, one_hot, out)
+
+
+def _first_argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, -1)`` for NaN-free x (first index on ties) as a max and a min over
+    indices: plain reductions, ~3x faster than XLA:CPU's variadic argmax reduce at [8, 5, 1024].
+    (`relf_jax.sampling.processors.first_argmax` is the same; kernels import only JAX.)"""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    index = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.minimum(jnp.min(jnp.where(x == top, index, x.shape[-1]), axis=-1), x.shape[-1] - 1)
 
 
 def _race(weights: jax.Array, exponentials: jax.Array) -> jax.Array:
     """Exponential race: argmax_v w_v / E_v over w_v > 0 (first index on ties) ~ norm(w)."""
     keys = jnp.where(weights > 0, weights / exponentials, -1.0)
-    return jnp.argmax(keys, axis=-1).astype(jnp.int32)
+    return _first_argmax(keys)
 
 
 def _leading_run(accept: jax.Array) -> jax.Array:
@@ -197,7 +206,7 @@ def ref_verify(target_logits: jax.Array, draft_logits: jax.Array, draft_tokens: 
     target = target_logits.astype(jnp.float32)
     draft = draft_logits.astype(jnp.float32)
     tokens = draft_tokens.astype(jnp.int32)[..., None]
-    target_argmax = jnp.argmax(target, axis=-1).astype(jnp.int32)  # [B, K+1]
+    target_argmax = _first_argmax(target)  # [B, K+1]
 
     if rule == "greedy":
         accept = tokens[..., 0] == target_argmax[:, :k]

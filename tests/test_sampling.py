@@ -48,6 +48,24 @@ def test_filters_off_by_python_values_compile_no_sort():
         np.testing.assert_array_equal(processors.log_probs(logits, temperature, 0, 1.0), want)
 
 
+def test_first_argmax_equals_argmax():
+    """The two-reduction argmax (sampling and the verification reference) is jnp.argmax: first
+    index on ties, 0 for an all -inf row, booleans, random rows."""
+    from kernels_pallas.verify import _first_argmax
+
+    rng = np.random.default_rng(0)
+    cases = [rng.standard_normal((3, 5, 257)).astype(np.float32),
+             rng.integers(0, 3, (4, 64)).astype(np.float32),  # many ties
+             np.array([[-np.inf] * 6, [1, 3, 3, -np.inf, 3, 0]], np.float32),
+             rng.random((5, 9)) > 0.7,
+             np.zeros((2, 4), bool)]
+    for x in cases:
+        want = np.asarray(jnp.argmax(jnp.asarray(x), axis=-1))
+        for fn in (processors.first_argmax, _first_argmax):
+            got = np.asarray(jax.jit(fn)(jnp.asarray(x)))
+            assert got.dtype == np.int32 and np.array_equal(got, want), (fn, x)
+
+
 def test_nucleus_mask_ties_and_extremes():
     probs = jnp.asarray([0.4, 0.2, 0.2, 0.2])
     np.testing.assert_array_equal(processors.nucleus_mask(probs, 0.5), [True, True, True, True])
