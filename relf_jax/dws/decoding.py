@@ -90,11 +90,11 @@ def confidence_commit(logits: jax.Array, is_masked: jax.Array, threshold: float,
         tokens = processors.sample(logits, key, temperature)
         logits = logits / temperature
     else:
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        tokens = processors.first_argmax(logits)
     probs = jax.nn.softmax(logits, axis=-1)
     conf = jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
     above = is_masked & (conf > threshold)
-    best = jnp.argmax(jnp.where(is_masked, conf, -1.0), axis=-1)
+    best = processors.first_argmax(jnp.where(is_masked, conf, -1.0))
     fallback = jax.nn.one_hot(best, is_masked.shape[1], dtype=bool) & is_masked
     commit = above | (fallback & ~above.any(axis=1, keepdims=True))
     return commit, tokens
@@ -148,7 +148,7 @@ def _close_block(canvas, block, start, prompt_len, active, settings: BlockDecode
     canvas = jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u, (s,)))(canvas, new, start)
     pos = start[:, None] + jnp.arange(d, dtype=jnp.int32)[None]
     is_stop = jnp.isin(block, jnp.asarray(settings.stop_ids, jnp.int32)) & (pos >= prompt_len[:, None]) & active[:, None]
-    first = jnp.argmax(is_stop, axis=1)
+    first = processors.first_argmax(is_stop)
     stop_pos = jnp.where(is_stop.any(axis=1), start + first, -1)
     return canvas, stop_pos
 
