@@ -140,3 +140,32 @@ def test_standard_rule_with_the_ngram_draft_samples_the_target(tiny_model, tiny_
         exp = p * n
         chi2 = float(np.sum((obs - exp) ** 2 / exp))
         assert stats.chi2.sf(chi2, v - 1) > 1e-4, chi2
+
+
+def test_drafts_follow_the_transformed_draft_logits():
+    """The proposer samples over a context's M candidates; its tokens must follow the
+    distribution the verifier is given (the returned [B, K, V] logits after the same
+    temperature / top-p transform): Monte Carlo histograms within a few standard errors, and
+    greedy picks the lowest id among equally frequent candidates, as an argmax over V does."""
+    import types
+
+    from relf_jax.sampling import processors
+
+    rows = [[1, 2, 3], [1, 2, 4], [1, 2, 3], [1, 2, 5], [1, 2, 4], [1, 2, 6], [2, 5, 4], [2, 5, 4]]
+    table = build_ngram_draft(rows, 8, order=3, top_m=4)
+    state = types.SimpleNamespace(tokens=jnp.asarray([[1, 2, 0, 0]], jnp.int32), lengths=jnp.asarray([2]))
+    n = 20_000
+    for temperature, top_p in ((1.0, 1.0), (0.7, 0.8), (1.6, 0.9)):
+        sp = spec.SpecParams.make(temperature, top_p, 0.9)
+        settings = spec.SpecSettings(k=2, rule="standard", proposer="corpus_ngram", max_new_tokens=4, eos_id=-1)
+        draw = jax.jit(jax.vmap(lambda key: spec._propose_ngram(table, state, sp, settings, key)))
+        toks, logits = draw(jax.random.split(jax.random.key(1), n))
+        q = np.exp(np.asarray(processors.log_probs(logits[0, 0, 0], temperature, 0, top_p)), dtype=np.float64)
+        freq = np.bincount(np.asarray(toks[:, 0, 0]), minlength=8) / n
+        se = np.sqrt(q * (1 - q) / n) + 1e-12
+        assert np.all(np.abs(freq - q) <= 5 * se + 1e-9), (temperature, top_p, freq, q)
+        assert q[3] > 0.2 and q[4] > 0.2  # the context (1, 2): 3 and 4 each seen twice
+    greedy = spec._propose_ngram(table, state, spec.SpecParams.make(0.0, 1.0, 0.9),
+                                 spec.SpecSettings(k=1, rule="greedy", proposer="corpus_ngram", max_new_tokens=4,
+                                                   eos_id=-1), jax.random.key(0))[0]
+    assert int(greedy[0, 0]) == 3  # 3 and 4 tie at two counts each: the lower id, as argmax over V

@@ -174,21 +174,31 @@ def _propose_lookup(state: SpecState, settings: SpecSettings, vocab: int):
 
 
 def _propose_ngram(table: ngram_draft.NgramDraft, state: SpecState, sp: SpecParams, settings: SpecSettings, key):
-    """K tokens [B, K] drawn one after another from the corpus n-gram table, and its logits [B, K, V]."""
+    """K tokens [B, K] drawn one after another from the corpus n-gram table, and its logits [B, K, V].
+
+    Each draw runs the sampling transform over the context's M candidates, not the vocabulary:
+    every other token has probability 0, so the transformed distribution is the same (top-k and
+    top-p act on the same non-zero entries; greedy ties go to the lowest token id either way,
+    as candidates of equal count are in id order). The [B, K, V] logits the verifier needs are
+    scattered once at the end.
+    """
     c = table.order - 1
     lengths = state.lengths
     ctx = _take(state.tokens, lengths[:, None] - c + jnp.arange(c)[None, :])
     valid = jnp.minimum(lengths, c)
     keys = jax.random.split(key, settings.k)
-    toks, lgs = [], []
+    toks, cands, lps = [], [], []
     for i in range(settings.k):
-        lg = ngram_draft.next_logits(table, ctx, valid)
-        tok = processors.sample(lg, keys[i], _temperature(sp, settings), settings.top_k, sp.top_p)
+        cand, lp = ngram_draft.next_candidates(table, ctx, valid)
+        pick = processors.sample(lp, keys[i], _temperature(sp, settings), settings.top_k, sp.top_p)
+        tok = jnp.take_along_axis(cand, pick[:, None], axis=1)[:, 0]
         toks.append(tok)
-        lgs.append(lg)
+        cands.append(cand)
+        lps.append(lp)
         ctx = jnp.concatenate([ctx[:, 1:], tok[:, None]], axis=1)
         valid = jnp.minimum(valid + 1, c)
-    return jnp.stack(toks, axis=1), jnp.stack(lgs, axis=1)
+    logits = ngram_draft.candidate_logits(table, jnp.stack(cands, axis=1), jnp.stack(lps, axis=1))
+    return jnp.stack(toks, axis=1), logits
 
 
 def _round(target_graphdef, target_params, draft_graphdef, draft_params, state: SpecState, sp: SpecParams,

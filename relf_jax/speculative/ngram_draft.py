@@ -149,6 +149,22 @@ def next_logits(table: NgramDraft, context: jax.Array, valid: jax.Array) -> jax.
     known context wins; with none, the unigram row. Log-probabilities of the kept tokens, -inf
     elsewhere.
     """
+    return candidate_logits(table, *next_candidates(table, context, valid))
+
+
+def candidate_logits(table: NgramDraft, toks: jax.Array, lp: jax.Array) -> jax.Array:
+    """The vocabulary logits [..., V] of candidates toks / lp [..., M] (-inf off the candidates)."""
+    logits = jnp.full(toks.shape[:-1] + (table.vocab_size,), -jnp.inf, jnp.float32)
+    rows = jnp.unravel_index(jnp.arange(toks[..., 0].size), toks.shape[:-1])
+    index = tuple(r.reshape(toks.shape[:-1] + (1,)) for r in rows)
+    # scatter-max: padded entries (-inf) never overwrite a kept token that shares their id
+    return logits.at[(*index, toks)].max(lp)
+
+
+def next_candidates(table: NgramDraft, context: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The distribution of `next_logits` as its M candidates: token ids [B, M] and their
+    log-probabilities [B, M] (-inf on padding), most frequent first, ties by token id. Every
+    other token has probability 0, so a sampler can draw over these M instead of V."""
     b = context.shape[0]
     toks = jnp.broadcast_to(table.uni_tokens, (b, table.top_m))
     lp = jnp.broadcast_to(table.uni_logp, (b, table.top_m))
@@ -161,6 +177,4 @@ def next_logits(table: NgramDraft, context: jax.Array, valid: jax.Array) -> jax.
         hit = (keys[idx] == key) & (valid >= c)
         toks = jnp.where(hit[:, None], table.tokens[c - 1][idx], toks)
         lp = jnp.where(hit[:, None], table.logp[c - 1][idx], lp)
-    logits = jnp.full((b, table.vocab_size), -jnp.inf, jnp.float32)
-    # scatter-max: padded entries (-inf) never overwrite a kept token that shares their id
-    return logits.at[jnp.arange(b)[:, None], toks].max(lp)
+    return toks, lp
