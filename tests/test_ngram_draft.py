@@ -169,3 +169,19 @@ def test_drafts_follow_the_transformed_draft_logits():
                                  spec.SpecSettings(k=1, rule="greedy", proposer="corpus_ngram", max_new_tokens=4,
                                                    eos_id=-1), jax.random.key(0))[0]
     assert int(greedy[0, 0]) == 3  # 3 and 4 tie at two counts each: the lower id, as argmax over V
+
+
+def test_dense_index_finds_the_same_rows_as_the_binary_search():
+    from relf_jax.speculative import ngram_draft
+
+    rng = np.random.default_rng(1)
+    rows = [rng.integers(0, 4 if i % 3 else 40, rng.integers(1, 30)).tolist() for i in range(80)]
+    table = build_ngram_draft(rows, 40, order=4, top_m=3)
+    # c = 1, 2 fit a direct index; c = 3's hashed keys wrap, so it keeps the binary search
+    assert [int(d.shape[0]) for d in table.dense] == [40, 1600, 0]
+    searched = table.replace(dense=())
+    ctx = jnp.asarray(np.r_[rng.integers(0, 4, (300, 3)), rng.integers(0, 40, (300, 3))], jnp.int32)
+    valid = jnp.asarray(rng.integers(0, 4, 600), jnp.int32)
+    for a, b in zip(ngram_draft.next_candidates(table, ctx, valid), ngram_draft.next_candidates(searched, ctx, valid)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int((np.asarray(table.dense[1]) >= 0).sum()) == int(table.keys[1].shape[0])
