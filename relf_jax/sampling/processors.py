@@ -93,8 +93,16 @@ def log_probs(logits: jax.Array, temperature: jax.Array | float = 1.0, top_k: ja
     scaled, greedy = _transform(logits, temperature, top_k, top_p)
     out = jax.nn.log_softmax(scaled, axis=-1)
     v = logits.shape[-1]
-    one_hot = jnp.where(jax.nn.one_hot(first_argmax(logits), v, dtype=jnp.bool_), 0.0, NEG_INF)
-    return jnp.where(greedy, one_hot, out)
+
+    def with_greedy_rows(out):
+        one_hot = jnp.where(jax.nn.one_hot(first_argmax(logits), v, dtype=jnp.bool_), 0.0, NEG_INF)
+        return jnp.where(greedy, one_hot, out)
+
+    if static_off(temperature, lambda t: t > 0):
+        return out
+    # the greedy rows' one-hot costs a pass over [..., V]: only when some row is greedy (a
+    # `vmap` with batched temperatures turns this into a select that always computes it)
+    return jax.lax.cond(jnp.any(greedy), with_greedy_rows, lambda out: out, out)
 
 
 def running_sum(w: jax.Array, block: int = 32) -> jax.Array:
