@@ -158,7 +158,8 @@ def test_drafts_follow_the_transformed_draft_logits():
     for temperature, top_p in ((1.0, 1.0), (0.7, 0.8), (1.6, 0.9)):
         sp = spec.SpecParams.make(temperature, top_p, 0.9)
         settings = spec.SpecSettings(k=2, rule="standard", proposer="corpus_ngram", max_new_tokens=4, eos_id=-1)
-        draw = jax.jit(jax.vmap(lambda key: spec._propose_ngram(table, state, sp, settings, key)))
+        draw = jax.jit(jax.vmap(
+            lambda key, sp=sp, settings=settings: spec._propose_ngram(table, state, sp, settings, key)))
         toks, logits = draw(jax.random.split(jax.random.key(1), n))
         q = np.exp(np.asarray(processors.log_probs(logits[0, 0, 0], temperature, 0, top_p)), dtype=np.float64)
         freq = np.bincount(np.asarray(toks[:, 0, 0]), minlength=8) / n
