@@ -244,6 +244,49 @@ def test_a_smaller_max_context_shrinks_the_cache_not_the_tokens():
                 make(max_context=bad)
 
 
+def test_cache_span_grows_and_shrinks_with_the_occupied_slots_not_the_tokens(monkeypatch):
+    """The AR and speculative engines cut their slots' KV caches to the span the occupied
+    slots need (`engines._Spans`): a long request grows it, its end shrinks it, and each
+    request's tokens are still its sampler's over the full context."""
+    from relf_jax.sampling import autoregressive as ar
+    from relf_jax.speculative import generate as spec
+
+    monkeypatch.setattr(E, "SPAN_MIN", 16)  # spans 16, 32, 64 on a 64-token context
+    lm, draft = tiny_lm("ar", 0, max_seq_len=64), tiny_lm("ar", 1, max_seq_len=64)
+    pa, pb = E.RequestParams(40, 1.0, seed=3), E.RequestParams(8, 1.0, seed=9)
+    for eng in (E.AREngine(lm, 2, steps_per_call=2), E.SpeculativeEngine(lm, draft, 2, rule="nsd", k=2)):
+        assert eng._spans.lengths == (16, 32, 64)
+        state, pre = eng.prefill_insert(PROMPTS[1], pa, eng.init_state(), 0)  # 6 prompt tokens
+        out, spans = {0: list(pre.tokens)}, [eng._span(state)]
+        for _ in range(40):  # A alone, past what 32 slots hold
+            if len(out[0]) >= 36:
+                break
+            state, res = eng.generate(state)
+            out[0] += res.tokens[0]
+            spans.append(eng._span(state))
+        pre = eng.prefill(PROMPTS[1], pb)  # B joins with the unfused path, A leaves (its max_tokens)
+        state = eng.free(eng.insert(pre, state, 1), 0)
+        out[1] = list(pre.tokens)
+        for _ in range(2):
+            state, res = eng.generate(state)
+            out[1] += res.tokens[1]
+            spans.append(eng._span(state))
+        assert spans[0] == 16 and 64 in spans and spans[-1] == 16, spans
+        arr, lens = ar.pad_prompts([PROMPTS[1]], 0)
+        for slot, p in ((0, pa), (1, pb)):
+            key = jax.random.key(p.seed)
+            if isinstance(eng, E.AREngine):
+                st = ar.generate(lm.graphdef, lm.params, arr, lens, key, ar.SamplingParams.make(1.0),
+                                 ar.DecodeSettings(50, TOK.eos_id, 0))
+                got = ar.replies(st, lens)[0]
+            else:
+                st = spec.generate(lm.graphdef, lm.params, arr, lens, key, spec.SpecParams.make(1.0),
+                                   spec.SpecSettings(k=2, rule="nsd", max_new_tokens=50, eos_id=TOK.eos_id),
+                                   draft_graphdef=draft.graphdef, draft_params=draft.params)
+                got = np.asarray(st.tokens)[0, len(PROMPTS[1]):].tolist()
+            assert out[slot] == got[:len(out[slot])], (type(eng).__name__, slot)
+
+
 def test_few_busy_slots_step_alone_with_the_same_tokens():
     """With few slots occupied the engines step only those (padded to a power of two with free
     ones); every request's tokens are the same as when all slots step."""

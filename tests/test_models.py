@@ -34,6 +34,30 @@ def test_kv_cache_decoding_equals_full_recompute(tiny_model, tiny_model_cfg):
         lengths = lengths + 1
 
 
+def test_attend_len_skips_the_cache_tail_with_the_same_logits_and_cache(tiny_model, tiny_model_cfg):
+    """`attend_len` attends to the first slots of a longer cache only: the same logits up to float
+    rounding (the tail is masked anyway), and the keys/values are still written into the whole
+    cache."""
+    graphdef, params = tiny_model
+    model = jax.jit(lambda *a, attend_len=None: nnx.merge(graphdef, params)(*a[:2], cache=a[2], cache_index=a[3],
+                                                                            attend_len=attend_len),
+                    static_argnames=("attend_len",))
+    b, t = 2, 6
+    toks = jax.random.randint(jax.random.key(2), (b, t), 0, tiny_model_cfg.vocab_size)
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    zero = jnp.zeros(b, jnp.int32)
+    cache = jax.tree.map(lambda x: x + 1.0, init_cache(tiny_model_cfg, b, 32))  # non-zero tail: must stay unseen
+    want, want_cache = model(toks, pos, cache, zero)
+    got, got_cache = model(toks, pos, cache, zero, attend_len=8)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    for x, y in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        assert x.shape == y.shape == (b, tiny_model_cfg.num_kv_heads, 32, tiny_model_cfg.resolved_head_dim)
+        np.testing.assert_allclose(x, y, atol=1e-6)
+    # a span too short for the queries sees less than the causal mask allows: different logits
+    short, _ = model(toks, pos, cache, zero, attend_len=3)
+    assert not np.allclose(short[:, 3:], want[:, 3:], atol=1e-3)
+
+
 def test_segment_mask_isolates_documents(tiny_model, tiny_model_cfg):
     model = _jitted(*tiny_model)
     a = jax.random.randint(jax.random.key(2), (1, 6), 0, tiny_model_cfg.vocab_size)

@@ -48,13 +48,18 @@ class CausalLM(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None, *,
                  segment_ids: Optional[jax.Array] = None, cache: Optional[KVCache] = None,
-                 cache_index: Optional[jax.Array] = None):
+                 cache_index: Optional[jax.Array] = None, attend_len: Optional[int] = None):
         """Logits for every input position.
 
         tokens, positions, segment_ids: [B, T] int. Without a cache the mask is causal over the
         sequence index, restricted to equal `segment_ids` (packed documents). With a cache
         (from `init_cache`), the T tokens are written at slots ``cache_index[b] + arange(T)``
-        and ``positions`` must equal those slots. Returns (logits [B, T, V] float32, cache).
+        and ``positions`` must equal those slots. `attend_len` (a Python int, with a cache): attend
+        to the first `attend_len` slots only, which the caller guarantees hold every position the
+        queries may see (all positions < attend_len); the cache is still written in full. Decode
+        steps of short conversations in a long cache then skip the empty tail (the serving
+        engines pick it per step, `relf_jax.serving.engines`). Returns (logits [B, T, V] float32,
+        cache).
         """
         b, t = tokens.shape
         if positions is None:
@@ -67,7 +72,7 @@ class CausalLM(nnx.Module):
             idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
             mask = causal_mask(idx, idx, segment_ids, segment_ids)
         else:
-            s = cache[0][0].shape[2]
+            s = cache[0][0].shape[2] if attend_len is None else min(attend_len, cache[0][0].shape[2])
             slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
             mask = causal_mask(positions, slots)
         new_cache = []

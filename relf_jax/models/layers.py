@@ -110,8 +110,9 @@ class Attention(nnx.Module):
                  cache_index: Optional[jax.Array] = None):
         """x: [B, T, D]; positions: [B, T]; mask: [B, T, S] (S = T without cache).
 
-        With a cache ([B, K, S, Dh] each), the new keys/values are written at slots
+        With a cache ([B, K, C, Dh] each), the new keys/values are written at slots
         ``cache_index[b] + arange(T)`` of each row before attending; returns (y, new_cache).
+        A mask narrower than the cache (S < C) attends to its first S slots only.
         """
         dt = self.dtype
         x = x.astype(dt)
@@ -130,6 +131,8 @@ class Attention(nnx.Module):
             cache = (k_all, v_all)
         else:
             k_all, v_all = k, v
+        if mask.shape[-1] < k_all.shape[2]:  # attend to the first slots only (`CausalLM`'s attend_len)
+            k_all, v_all = k_all[:, :, :mask.shape[-1]], v_all[:, :, :mask.shape[-1]]
         b, t, h, dh = q.shape
         g = h // self.num_kv_heads
         qg = jnp.moveaxis(q.reshape(b, t, self.num_kv_heads, g, dh), 1, 3).astype(jnp.float32)  # [B, K, G, T, Dh]

@@ -23,10 +23,12 @@ work while a step runs.
 The model engines reuse the samplers' own prefill and step functions, vmapped over slots: each
 slot holds the sampler's state for a batch of one, so per-request settings (temperature,
 top-p, seed) are traced per slot, a slot's tokens do not depend on what the other slots hold,
-and the same seed gives the same reply whatever the batch. Every slot's buffers span the
-model's whole context, so prefixes of any prompt bucket fit any slot; the prompt is padded to a
-power-of-two bucket (one compilation of prefill per bucket, one of `generate` per engine).
-Token decisions run in float32 (the samplers' rule).
+and the same seed gives the same reply whatever the batch. A prefill's buffers span the model's
+whole context, so prefixes of any prompt bucket fit any slot; the prompt is padded to a
+power-of-two bucket. The AR and speculative engines cut their slots' KV caches to the span
+the occupied slots need (`_Spans`): one compilation of `generate` per span (and per number of
+stepped slots, `_subset`), of the fused prefill per bucket and span. Token decisions run in
+float32 (the samplers' rule).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class Prefix:
     done: bool  # the prefill already finished the request (e.g. its first token is EOS)
     model_s: float = 0.0  # seconds spent in the prefill
     nucleus: bool = False  # the request filters by top_p < 1 (engines that sample with top-p)
+    prompt_len: int = 0  # the prompt's tokens (AR and speculative: for `_Spans`)
 
 
 @dataclasses.dataclass
@@ -183,16 +186,35 @@ class Engine(abc.ABC):
 
     def warmup(self, prompt_lengths: Sequence[int] | None = None) -> None:
         """Compile prefill for the buckets of `prompt_lengths` (default: every power-of-two
-        bucket up to half the context), and insert/generate/free, off the clock."""
-        state = self.init_state()
-        bos = getattr(self.tokenizer, "bos_id", 2)
+        bucket up to half the context), and insert/generate/free, off the clock; for an engine
+        that sizes its caches (`_Spans`), at every cache span a prompt of those lengths can meet."""
         if prompt_lengths is None:
             prompt_lengths, b = [], 8
             while b <= self.max_context // 2:
                 prompt_lengths.append(b)
                 b *= 2
+        prompt_lengths = [max(1, min(n, self.max_context - self.reserve() - 1)) for n in prompt_lengths]
+        spans = getattr(self, "_spans", None)
+        if spans is None:
+            return self._warmup_at(prompt_lengths)
+        try:
+            for span in spans.lengths:
+                spans.pin = span
+                # the prompt buckets whose shortest prompt fits this span
+                self._warmup_at([n for n in prompt_lengths if _shortest_in_bucket(n) + 1 + spans.advance <= span]
+                                or [1])
+        finally:
+            spans.pin = None
+        slots = self.init_state().slots
+        for a in spans.lengths:  # and every change of span
+            for b in spans.lengths:
+                if a != b:
+                    self._jit_resize(self._jit_resize(slots, a), b)
+
+    def _warmup_at(self, prompt_lengths: Sequence[int]) -> None:
+        state = self.init_state()
+        bos = getattr(self.tokenizer, "bos_id", 2)
         for n in prompt_lengths:
-            n = max(1, min(n, self.max_context - self.reserve() - 1))
             state, _ = self.prefill_insert([bos] * n, RequestParams(max_tokens=1, temperature=0.0), state, 0)
         state, _ = self.generate(state)
         busy = 1  # and the steps over 2, 4, ... occupied slots (`_subset`), up to all of them
@@ -212,21 +234,95 @@ def bucket_for(length: int, limit: int) -> int:
     return max(length, min(prompt_bucket(length), limit))
 
 
+def _shortest_in_bucket(length: int) -> int:
+    """The shortest prompt padded to the same bucket as one of `length` tokens."""
+    from relf_jax.sampling.autoregressive import prompt_bucket
+
+    b = prompt_bucket(length)
+    return 1 if b <= 8 else b // 2 + 1
+
+
 def _set_slot(state, new, slot):
-    return jax.tree.map(lambda s, n: s.at[slot].set(n.astype(s.dtype)), state, new)
+    """`state` with `new` (a batch of one) in `slot`; a leaf of `new` longer than the state's
+    (a prefill's KV cache over the whole context, `_Spans`) is cut to it."""
+    return jax.tree.map(lambda s, n: s.at[slot].set(n[tuple(slice(0, d) for d in s.shape[1:])].astype(s.dtype)),
+                        state, new)
 
 
 def _stack_slots(tree, n: int):
     return jax.tree.map(lambda x: jnp.broadcast_to(jnp.asarray(x)[None], (n,) + jnp.shape(x)).copy(), tree)
 
 
-def _first_prefix(engine: Engine, params: RequestParams, t0: float, first, done, data=None) -> Prefix:
+def _first_prefix(engine: Engine, params: RequestParams, t0: float, first, done, prompt_len: int,
+                  data=None) -> Prefix:
     """The Prefix of a prefill that samples the first token (AR, speculative), `t0` its start:
     `first` and `done` (device scalars) come to the host in one copy."""
     first, done = jax.device_get((first, done))
     first, done = int(first), bool(done)
     return Prefix(data=data, tokens=[first], done=done or first in engine.stop_ids,
-                  model_s=time.perf_counter() - t0, nucleus=params.top_p < 1)
+                  model_s=time.perf_counter() - t0, nucleus=params.top_p < 1, prompt_len=prompt_len)
+
+
+SPAN_MIN = 64  # the shortest cache `_Spans` sizes the slots to
+
+
+class _Spans:
+    """The length of the slots' KV caches in the AR and speculative engines, fitted to what the
+    occupied slots need.
+
+    A slot's cache could hold the whole context, but a short conversation fills only its
+    start, and every step attends over all of it (the empty tail masked): at a 256-token
+    context that attention was about half of a batch-8 NSD round of the `cpu` preset on CPU
+    (profile). So the stacked caches are cut to a *span*, the shortest of `lengths` (powers of
+    two from `SPAN_MIN`, then the context) that holds every position a step can reach: the host
+    keeps an upper bound of each occupied slot's committed length (prompt + 1 at the prefill,
+    + every token a step emits for it), and a step adds at most ``tokens_per_step``. The caches
+    grow (zero-padded) before a step or an insert that needs more, and shrink (cut) when the
+    occupied slots fit in half; a slot's cache beyond its length is masked, so cutting it loses
+    nothing. Attending to a narrower cache (an XLA slice of a wider one) would copy the slice
+    every step; resizing copies only when the span changes. One compilation of the step per
+    span. Masked slots weigh exactly zero, so the logits are the full cache's up to float
+    rounding (the sums run over fewer terms); the tests check that the tokens are the sampler's.
+    """
+
+    def __init__(self, num_slots: int, max_context: int, advance: int):
+        self.advance = advance
+        self.ends = [0] * num_slots
+        self.pin: int | None = None  # a span `fit` returns whatever the slots need (`Engine.warmup`)
+        lengths, n = [], SPAN_MIN
+        while n < max_context:
+            lengths.append(n)
+            n *= 2
+        self.lengths = tuple(lengths) + (max_context,)
+
+    def admit(self, slot: int, prompt_len: int) -> None:
+        self.ends[slot] = prompt_len + 1  # the prefill commits the first token
+
+    def free(self, slot: int) -> None:
+        self.ends[slot] = 0
+
+    def advance_by(self, tokens: list[list[int]]) -> None:
+        for slot, toks in enumerate(tokens):
+            self.ends[slot] += len(toks)
+
+    def fit(self, current: int, occupied, extra: int = 0) -> int:
+        """The span for a step over the `occupied` slots (and a slot about to hold `extra`
+        committed tokens): `current` while it holds them and they do not fit in half of it."""
+        if self.pin is not None:
+            return self.pin
+        need = max([self.ends[s] for s in occupied] + [extra]) + self.advance
+        best = next((n for n in self.lengths if n >= need), self.lengths[-1])
+        return current if best <= current and 2 * best > current else best
+
+
+def _resize_cache(cache, span: int):
+    """Per layer (k, v) [..., S, Dh]: cut or zero-pad the S axis to `span`."""
+    def one(x):
+        s = x.shape[-2]
+        if span <= s:
+            return x[..., :span, :]
+        return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, span - s), (0, 0)])
+    return jax.tree.map(one, cache)
 
 
 def _free_slots(engine: Engine, state):
@@ -400,10 +496,13 @@ class AREngine(Engine):
         self._step_settings = ar.DecodeSettings(max_new_tokens=self.max_context, eos_id=lm.tokenizer.eos_id,
                                                 pad_id=lm.tokenizer.pad_id)
         self.compact = True  # step only the occupied slots when few are (`_subset`)
+        self._spans = _Spans(num_slots, self.max_context, self.tokens_per_step)
         self._weights = _Leaves(lm.params)
         self._jit_step = jax.jit(self._step_all, donate_argnums=(1,), static_argnames=("nucleus",))
         self._jit_step_subset = jax.jit(functools.partial(_step_subset, self._step_all), donate_argnums=(1,),
                                         static_argnames=("nucleus",))
+        self._jit_resize = jax.jit(lambda s, span: s.replace(state=s.state.replace(cache=_resize_cache(
+            s.state.cache, span))), static_argnums=(1,))
         self._jit_insert = jax.jit(_set_slot, donate_argnums=(0,))
         self._jit_prefill = jax.jit(self._prefix_data, static_argnames=("settings",))
         self._jit_prefill_insert = jax.jit(self._prefill_into, donate_argnums=(1,), static_argnames=("settings",))
@@ -436,10 +535,20 @@ class AREngine(Engine):
         t0 = time.perf_counter()
         data, first, done = self._jit_prefill(self._weights.leaves, arr, lens, np.uint32(params.seed),
                                               self._sampling(params), settings=settings)
-        return _first_prefix(self, params, t0, first, done, data=data)
+        return _first_prefix(self, params, t0, first, done, len(prompt), data=data)
 
     def insert(self, prefix, state, slot):
+        state = self._fit(state, extra=prefix.prompt_len + 1)
+        self._spans.admit(slot, prefix.prompt_len)
         return state.insert(self._jit_insert(state.slots, prefix.data, slot), slot, prefix.nucleus)
+
+    def _span(self, state) -> int:
+        return state.slots.state.cache[0][0].shape[-2]
+
+    def _fit(self, state, extra: int = 0):
+        span = self._spans.fit(self._span(state), state.occupied, extra)
+        return state if span == self._span(state) else dataclasses.replace(state, slots=self._jit_resize(
+            state.slots, span))
 
     def _prefill_into(self, params, slots, prompts, lengths, seed, sampling, slot, settings):
         data, first, done = self._prefix_data(params, prompts, lengths, seed, sampling, settings)
@@ -447,14 +556,17 @@ class AREngine(Engine):
 
     def prefill_insert(self, prompt, params, state, slot):
         arr, lens, settings = self._padded(prompt)
+        state = self._fit(state, extra=len(prompt) + 1)
         t0 = time.perf_counter()
         slots, first, done = self._jit_prefill_insert(self._weights.leaves, state.slots, arr, lens,
                                                       np.uint32(params.seed), self._sampling(params), slot,
                                                       settings=settings)
-        prefix = _first_prefix(self, params, t0, first, done)
+        prefix = _first_prefix(self, params, t0, first, done, len(prompt))
+        self._spans.admit(slot, len(prompt))
         return state.insert(slots, slot, prefix.nucleus), prefix
 
     def free(self, state, slot, stopped=False):
+        self._spans.free(slot)
         return state.free(state.slots if stopped else self._jit_free(state.slots, slot), slot)
 
     def _step_all(self, params, slots: _Slot, nucleus: bool):
@@ -482,6 +594,7 @@ class AREngine(Engine):
 
     def dispatch(self, state):
         t0 = time.perf_counter()
+        state = self._fit(state)
         idx = _subset(state, self.num_slots) if self.compact else None
         if idx is None:
             slots, out = self._jit_step(self._weights.leaves, state.slots, nucleus=bool(state.nucleus))
@@ -492,6 +605,7 @@ class AREngine(Engine):
     def collect(self, pending):
         out, model_s, early = _collect_rows(pending, self.num_slots)
         toks = [[t for t, e, _ in row if e] for row in out]
+        self._spans.advance_by(toks)
         return StepOutput(tokens=toks, done=[any(d for _, _, d in row) for row in out], model_s=model_s,
                           steps=[len(t) for t in toks], ready_early=early)
 
@@ -537,11 +651,15 @@ class SpeculativeEngine(Engine):
         self.tokens_per_step = (k + 1) * self.steps_per_call
         self._step_settings = self._settings(self.max_context)
         self.compact = True  # step only the occupied slots when few are (`_subset`)
+        self._spans = _Spans(num_slots, self.max_context, self.tokens_per_step)
         self._target_w = _Leaves(lm.params)
         self._draft_w = _Leaves(self.draft.params) if self.draft is not None else None
         self._jit_step = jax.jit(self._step_all, donate_argnums=(2,), static_argnames=("nucleus",))
         self._jit_step_subset = jax.jit(functools.partial(_step_subset, self._step_all), donate_argnums=(2,),
                                         static_argnames=("nucleus",))
+        self._jit_resize = jax.jit(lambda s, span: s.replace(state=s.state.replace(
+            target_cache=_resize_cache(s.state.target_cache, span),
+            draft_cache=_resize_cache(s.state.draft_cache, span))), static_argnums=(1,))
         self._jit_insert = jax.jit(_set_slot, donate_argnums=(0,))
         self._jit_prefill = jax.jit(self._prefix_data, static_argnames=("settings",))
         self._jit_prefill_insert = jax.jit(self._prefill_into, donate_argnums=(2,), static_argnames=("settings",))
@@ -591,10 +709,20 @@ class SpeculativeEngine(Engine):
         t0 = time.perf_counter()
         data, first, done = self._jit_prefill(*self._weight_args(), arr, lens,
                                               np.uint32(params.seed), self._params(params), settings=settings)
-        return _first_prefix(self, params, t0, first, done, data=data)
+        return _first_prefix(self, params, t0, first, done, len(prompt), data=data)
 
     def insert(self, prefix, state, slot):
+        state = self._fit(state, extra=prefix.prompt_len + 1)
+        self._spans.admit(slot, prefix.prompt_len)
         return state.insert(self._jit_insert(state.slots, prefix.data, slot), slot, prefix.nucleus)
+
+    def _span(self, state) -> int:
+        return state.slots.state.target_cache[0][0].shape[-2]
+
+    def _fit(self, state, extra: int = 0):
+        span = self._spans.fit(self._span(state), state.occupied, extra)
+        return state if span == self._span(state) else dataclasses.replace(state, slots=self._jit_resize(
+            state.slots, span))
 
     def _prefill_into(self, target_params, draft_params, slots, prompts, lengths, seed, sp, slot, settings):
         data, first, done = self._prefix_data(target_params, draft_params, prompts, lengths, seed, sp, settings)
@@ -602,14 +730,17 @@ class SpeculativeEngine(Engine):
 
     def prefill_insert(self, prompt, params, state, slot):
         arr, lens, settings = self._padded(prompt)
+        state = self._fit(state, extra=len(prompt) + 1)
         t0 = time.perf_counter()
         slots, first, done = self._jit_prefill_insert(*self._weight_args(), state.slots, arr, lens,
                                                       np.uint32(params.seed), self._params(params), slot,
                                                       settings=settings)
-        prefix = _first_prefix(self, params, t0, first, done)
+        prefix = _first_prefix(self, params, t0, first, done, len(prompt))
+        self._spans.admit(slot, len(prompt))
         return state.insert(slots, slot, prefix.nucleus), prefix
 
     def free(self, state, slot, stopped=False):
+        self._spans.free(slot)
         return state.free(state.slots if stopped else self._jit_free(state.slots, slot), slot)
 
     def _step_all(self, target_params, draft_params, slots: _Slot, nucleus: bool):
@@ -644,6 +775,7 @@ class SpeculativeEngine(Engine):
 
     def dispatch(self, state):
         t0 = time.perf_counter()
+        state = self._fit(state)
         idx = _subset(state, self.num_slots) if self.compact else None
         args = (*self._weight_args(), state.slots)
         if idx is None:
@@ -656,6 +788,7 @@ class SpeculativeEngine(Engine):
         out, model_s, early = _collect_rows(pending, self.num_slots)
         w = self.k + 1
         toks = [[t for r in row for t in r[:r[w]]] for row in out]
+        self._spans.advance_by(toks)
         return StepOutput(tokens=toks, done=[any(r[w + 1] for r in row) for row in out], model_s=model_s,
                           accepted=[sum(r[w + 2] for r in row) for row in out],
                           steps=[sum(r[w] > 0 for r in row) for row in out], ready_early=early)

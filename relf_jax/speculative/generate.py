@@ -108,8 +108,8 @@ def _temperature(sp: SpecParams, settings: SpecSettings):
     return jnp.float32(0.0) if settings.rule == "greedy" else sp.temperature
 
 
-def _forward(graphdef, params, tokens, positions, cache, index):
-    return nnx.merge(graphdef, params)(tokens, positions, cache=cache, cache_index=index)
+def _forward(graphdef, params, tokens, positions, cache, index, attend_len=None):
+    return nnx.merge(graphdef, params)(tokens, positions, cache=cache, cache_index=index, attend_len=attend_len)
 
 
 def _take(tokens, positions):
@@ -266,10 +266,13 @@ def _prefill(target_graphdef, target_params, draft_graphdef, draft_params, promp
     tcfg = nnx.merge(target_graphdef, target_params).cfg
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     zero = jnp.zeros((b,), jnp.int32)
-    logits, tcache = _forward(target_graphdef, target_params, prompts, positions, init_cache(tcfg, b, total), zero)
+    # the prompt's queries see its own slots only (attend_len): skip the rest of the caches
+    logits, tcache = _forward(target_graphdef, target_params, prompts, positions, init_cache(tcfg, b, total), zero,
+                              attend_len=p)
     if settings.proposer == "draft":
         dcfg = nnx.merge(draft_graphdef, draft_params).cfg
-        _, dcache = _forward(draft_graphdef, draft_params, prompts, positions, init_cache(dcfg, b, total), zero)
+        _, dcache = _forward(draft_graphdef, draft_params, prompts, positions, init_cache(dcfg, b, total), zero,
+                             attend_len=p)
     else:
         dcache = ()
     last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
