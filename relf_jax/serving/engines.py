@@ -474,9 +474,25 @@ def _run_steps(step, slots: _Slot, n: int, width: int):
     return slots, jnp.moveaxis(out, 0, 1)
 
 
+class _SpanSized:
+    """`insert` and the span fitting (`_Spans`) shared by the AR and speculative engines, whose
+    state is a `_Held` and which set ``_spans``, ``_jit_insert``, ``_jit_resize`` and `_span`."""
+
+    def insert(self, prefix, state, slot):
+        state = self._fit(state, extra=prefix.prompt_len + 1)
+        self._spans.admit(slot, prefix.prompt_len)
+        return state.insert(self._jit_insert(state.slots, prefix.data, slot), slot, prefix.nucleus)
+
+    def _fit(self, state, extra: int = 0):
+        """`state` with its caches resized to the span the next step (or insert) needs."""
+        span = self._spans.fit(self._span(state), state.occupied, extra)
+        return state if span == self._span(state) else dataclasses.replace(state, slots=self._jit_resize(
+            state.slots, span))
+
+
 # ------------------------------------------------------------------------------ autoregressive
 
-class AREngine(Engine):
+class AREngine(_SpanSized, Engine):
     """One token per sampler step per slot, with `relf_jax.sampling.autoregressive`'s prefill and
     step; `steps_per_call` steps per `generate` (see `_check_steps_per_call`)."""
 
@@ -537,18 +553,8 @@ class AREngine(Engine):
                                               self._sampling(params), settings=settings)
         return _first_prefix(self, params, t0, first, done, len(prompt), data=data)
 
-    def insert(self, prefix, state, slot):
-        state = self._fit(state, extra=prefix.prompt_len + 1)
-        self._spans.admit(slot, prefix.prompt_len)
-        return state.insert(self._jit_insert(state.slots, prefix.data, slot), slot, prefix.nucleus)
-
     def _span(self, state) -> int:
         return state.slots.state.cache[0][0].shape[-2]
-
-    def _fit(self, state, extra: int = 0):
-        span = self._spans.fit(self._span(state), state.occupied, extra)
-        return state if span == self._span(state) else dataclasses.replace(state, slots=self._jit_resize(
-            state.slots, span))
 
     def _prefill_into(self, params, slots, prompts, lengths, seed, sampling, slot, settings):
         data, first, done = self._prefix_data(params, prompts, lengths, seed, sampling, settings)
@@ -617,7 +623,7 @@ class AREngine(Engine):
 
 # ------------------------------------------------------------------------------ speculative
 
-class SpeculativeEngine(Engine):
+class SpeculativeEngine(_SpanSized, Engine):
     """One draft/verify round per step per slot (`relf_jax.speculative.generate`'s round).
 
     rule: "standard" (exact), "nsd" (nucleus relaxation, `nsd_top_p`) or "greedy"; proposer:
@@ -711,18 +717,8 @@ class SpeculativeEngine(Engine):
                                               np.uint32(params.seed), self._params(params), settings=settings)
         return _first_prefix(self, params, t0, first, done, len(prompt), data=data)
 
-    def insert(self, prefix, state, slot):
-        state = self._fit(state, extra=prefix.prompt_len + 1)
-        self._spans.admit(slot, prefix.prompt_len)
-        return state.insert(self._jit_insert(state.slots, prefix.data, slot), slot, prefix.nucleus)
-
     def _span(self, state) -> int:
         return state.slots.state.target_cache[0][0].shape[-2]
-
-    def _fit(self, state, extra: int = 0):
-        span = self._spans.fit(self._span(state), state.occupied, extra)
-        return state if span == self._span(state) else dataclasses.replace(state, slots=self._jit_resize(
-            state.slots, span))
 
     def _prefill_into(self, target_params, draft_params, slots, prompts, lengths, seed, sp, slot, settings):
         data, first, done = self._prefix_data(target_params, draft_params, prompts, lengths, seed, sp, settings)
