@@ -56,10 +56,11 @@ class CausalLM(nnx.Module):
         (from `init_cache`), the T tokens are written at slots ``cache_index[b] + arange(T)``
         and ``positions`` must equal those slots. `attend_len` (a Python int, with a cache): attend
         to the first `attend_len` slots only, which the caller guarantees hold every position the
-        queries may see (all positions < attend_len); the cache is still written in full. Decode
-        steps of short conversations in a long cache then skip the empty tail (the serving
-        engines pick it per step, `relf_jax.serving.engines`). Returns (logits [B, T, V] float32,
-        cache).
+        queries may see (all positions < attend_len); the cache is still written in full. The
+        samplers' prefills pass the prompt length, so a prompt skips the empty rest of its cache.
+        (Per decode step this would slice the cache, which XLA:CPU copies every step; the serving
+        engines resize the caches instead, `relf_jax.serving.engines._Spans`.) Returns (logits
+        [B, T, V] float32, cache).
         """
         b, t = tokens.shape
         if positions is None:
