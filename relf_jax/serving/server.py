@@ -31,6 +31,7 @@ import json
 import math
 import secrets
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -714,8 +715,13 @@ def build_models(workdir: str | None, generators: list[str], *, model_name: str 
             if not workdir:
                 raise UserError("serve needs --workdir (a trained run directory) or --mock")
             engine = load_engine(workdir, gen, slots=slots, **engine_kw)
-        if warmup:
+        if warmup:  # compile every program the engine can run while serving (`Engine.warmup`)
+            t0 = time.perf_counter()
+            print(f"[serve] compiling the {gen} engine (a first start on CPU can take a minute; with "
+                  "`relf_jax.jit_cache` on, as in `relf-jax serve`, later starts read it back)", file=sys.stderr,
+                  flush=True)
             engine.warmup()
+            print(f"[serve] {gen} engine compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         settings = {}
         if getattr(engine, "k", None) is not None and gen in ("standard", "nsd", "greedy"):
             settings["k"] = engine.k
