@@ -141,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
                          "give a finer stream (default 8 for ar, 2 for speculative)")
     sv.add_argument("--max-context", type=int, default=None,
                     help="ar / speculative: prompt + reply tokens per slot, below the model's context (default: the "
-                         "model's); the KV cache and each step's attention shrink with it")
+                         "model's); longer requests are refused")
     sv.add_argument("--chat-template", default=None, help="a .json marker template or a .jinja template")
     sv.add_argument("--mock", action="store_true", help="serve the model-free mock engine (echoes the user)")
     sv.add_argument("--mock-step-ms", type=float, default=0.0, help="mock: simulated model time per step")

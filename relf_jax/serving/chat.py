@@ -157,9 +157,9 @@ def load_engine(workdir: str, generator: str = "ar", *, slots: int = 8, k: int =
     speculative rounds per engine call (`relf_jax.serving.engines._check_steps_per_call`;
     None: `STEPS_PER_CALL`). `max_context` (AR and speculative; the others ignore it, as AR
     ignores `nfe`): prompt + reply tokens a slot holds, below the model's context (None: the
-    model's). Every slot's KV cache has this length and every step attends over all of it, so
-    a deployment whose conversations are short serves faster with a smaller one; longer
-    requests are refused (HTTP 400).
+    model's). A slot's KV cache holds at most this many tokens (the engines size it to what the
+    occupied slots need, `relf_jax.serving.engines._Spans`); longer requests are refused
+    (HTTP 400).
     """
     from relf_jax import workflows
     from relf_jax.serving import engines as E
