@@ -190,6 +190,8 @@ class ChatModel:
     """Chat with a relf_jax model from Python, with the serving engines and batcher.
 
     Thread-safe: several threads may call `chat` at once; their requests share the slots.
+    `warmup` compiles the engine at its shortest cache span only (`Engine.warmup`): loading
+    stays quick, and a conversation that outgrows it pays a one-off compile (seconds on CPU).
     """
 
     def __init__(self, engine: Engine, template: ChatTemplate | None = None, *, policy: Policy | None = None,
@@ -197,7 +199,7 @@ class ChatModel:
         self.engine = engine
         self.template = template or ChatTemplate()
         if warmup:
-            engine.warmup()
+            engine.warmup(spans=1)
         self.batcher = Batcher(engine, policy, max_queue=max_queue).start()
 
     @classmethod

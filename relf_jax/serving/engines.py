@@ -184,21 +184,23 @@ class Engine(abc.ABC):
             raise UserError(f"prompt of {prompt_len} tokens + max_tokens={max_tokens} exceeds the model "
                             f"context of {room} tokens")
 
-    def warmup(self, prompt_lengths: Sequence[int] | None = None) -> None:
+    def warmup(self, prompt_lengths: Sequence[int] | None = None, spans: int | None = None) -> None:
         """Compile prefill for the buckets of `prompt_lengths` (default: every power-of-two
         bucket up to half the context), and insert/generate/free, off the clock; for an engine
-        that sizes its caches (`_Spans`), at every cache span a prompt of those lengths can meet."""
+        that sizes its caches (`_Spans`), at every cache span a prompt of those lengths can meet,
+        or at the `spans` shortest ones only (the others compile when first used)."""
         if prompt_lengths is None:
             prompt_lengths, b = [], 8
             while b <= self.max_context // 2:
                 prompt_lengths.append(b)
                 b *= 2
         prompt_lengths = [max(1, min(n, self.max_context - self.reserve() - 1)) for n in prompt_lengths]
-        spans = getattr(self, "_spans", None)
+        spans_limit, spans = spans, getattr(self, "_spans", None)
         if spans is None:
             return self._warmup_at(prompt_lengths)
+        lengths = spans.lengths if spans_limit is None else spans.lengths[:max(1, spans_limit)]
         try:
-            for span in spans.lengths:
+            for span in lengths:
                 spans.pin = span
                 # the prompt buckets whose shortest prompt fits this span
                 self._warmup_at([n for n in prompt_lengths if _shortest_in_bucket(n) + 1 + spans.advance <= span]
@@ -206,8 +208,8 @@ class Engine(abc.ABC):
         finally:
             spans.pin = None
         slots = self.init_state().slots
-        for a in spans.lengths:  # and every change of span
-            for b in spans.lengths:
+        for a in lengths:  # and every change of span among them
+            for b in lengths:
                 if a != b:
                     self._jit_resize(self._jit_resize(slots, a), b)
 
