@@ -328,13 +328,57 @@ def test_validation_errors():
 def test_dispatch(monkeypatch):
     monkeypatch.delenv(verify_module.FORCE_REFERENCE_ENV, raising=False)
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert not verify_module._use_kernel(None, 0)  # CPU -> reference
+    assert not verify_module.use_kernel_for(None, 0)  # CPU -> reference
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert not verify_module._use_kernel(None, 0)  # GPU -> reference: the kernel is slower there (measured)
-    assert verify_module._use_kernel(True, 0) and not verify_module._use_kernel(False, 0)
+    assert not verify_module.use_kernel_for(None, 0)  # GPU -> reference: the kernel is slower there (measured)
+    assert verify_module.use_kernel_for(True, 0) and not verify_module.use_kernel_for(False, 0)
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert verify_module._use_kernel(None, 0)
-    assert not verify_module._use_kernel(None, 5)  # the kernel has no top-k
+    assert verify_module.use_kernel_for(None, 0)
+    assert not verify_module.use_kernel_for(None, 5)  # the kernel has no top-k
     monkeypatch.setenv(verify_module.FORCE_REFERENCE_ENV, "1")
-    assert not verify_module._use_kernel(None, 0)
-    assert verify_module._use_kernel(True, 0)
+    assert not verify_module.use_kernel_for(None, 0)
+    assert verify_module.use_kernel_for(True, 0)
+
+
+def test_sparse_candidates_decide_exactly_like_their_scattered_logits():
+    """`verify_sparse` (the corpus n-gram draft's M candidates) gives `verify`'s decisions on the
+    same logits scattered over the vocabulary, for the same key: every rule, greedy and sampled
+    rows, top-k / top-p, padded candidates that repeat a real one's id, drafts off the candidates."""
+    import types
+
+    from relf_jax.speculative import ngram_draft
+
+    rng = np.random.default_rng(3)
+    b, k, m, v = 32, 3, 5, 40
+    for trial in range(3):
+        target = jnp.asarray(rng.normal(size=(b, k + 1, v)) * 2, jnp.float32)
+        ids = np.stack([[rng.choice(v, m, replace=False) for _ in range(k)] for _ in range(b)])
+        logits = rng.normal(size=(b, k, m)).astype(np.float32)
+        pad = rng.random((b, k, m)) < 0.3
+        pad[..., 0] = False
+        logits[pad] = -np.inf
+        ids = np.where(pad & (rng.random((b, k, m)) < 0.5), ids[..., :1], ids)
+        ids, logits = jnp.asarray(ids, jnp.int32), jnp.asarray(logits)
+        dense = ngram_draft.candidate_logits(types.SimpleNamespace(vocab_size=v), ids, logits)
+        x = jnp.where(jnp.asarray(rng.random((b, k)) < 0.7), ids[..., 0], jnp.asarray(rng.integers(0, v, (b, k))))
+        key = jax.random.key(trial)
+        for rule, (temperature, top_k, top_p) in itertools.product(
+                RULES, [(1.0, 0, 1.0), (0.7, 0, 0.8), (1.3, 2, 1.0), (0.0, 0, 1.0)]):
+            want = verify(target, dense, x, key, rule=rule, temperature=temperature, top_k=top_k, top_p=top_p,
+                          use_kernel=False)
+            got = verify_module.verify_sparse(target, ids, logits, x, key, rule=rule, temperature=temperature,
+                                              top_k=top_k, top_p=top_p)
+            for a, c in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(c), err_msg=f"{rule} {temperature} {top_k}")
+    # a padded entry repeating the drafted id must not lift it back into the residual: q = 1 on
+    # token 5, p(5) = 0.5, so a rejected round never emits 5
+    p = np.full(8, 0.5 / 7)
+    p[5] = 0.5
+    target = jnp.asarray(np.log(np.tile(p, (1, 2, 1))), jnp.float32)
+    ids, logits = jnp.asarray([[[5, 2, 5]]], jnp.int32), jnp.asarray([[[0.0, -np.inf, -np.inf]]], jnp.float32)
+    res = jax.vmap(lambda key: verify_module.verify_sparse(target, ids, logits, jnp.asarray([[5]]), key))(
+        jax.random.split(jax.random.key(0), 2000))
+    rejected = np.asarray(res.num_accepted)[:, 0] == 0
+    assert 800 < rejected.sum() < 1200 and not np.any(np.asarray(res.next_token)[rejected, 0] == 5)
+    with pytest.raises(ValueError, match="verify_sparse"):
+        verify_module.verify_sparse(target, ids[..., :2], logits, jnp.asarray([[5]]), jax.random.key(0))

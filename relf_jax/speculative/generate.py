@@ -37,7 +37,7 @@ from relf_jax.models.causal_lm import init_cache
 from relf_jax.sampling import processors
 from relf_jax.speculative import ngram_draft
 from relf_jax.speculative.trace import empty_trace, record_round
-from relf_jax.speculative.verify import RULES, verify
+from relf_jax.speculative.verify import RULES, use_kernel_for, verify, verify_sparse
 
 PROPOSERS = ("draft", "prompt_lookup", "corpus_ngram")
 
@@ -108,6 +108,12 @@ def _temperature(sp: SpecParams, settings: SpecSettings):
     return jnp.float32(0.0) if settings.rule == "greedy" else sp.temperature
 
 
+def sparse_verify(settings: SpecSettings) -> bool:
+    """Whether the n-gram proposer's drafts are verified as candidates (`verify.verify_sparse`):
+    wherever the reference path runs; the Pallas kernel takes vocabulary-wide draft logits."""
+    return settings.proposer == "corpus_ngram" and not use_kernel_for(settings.use_kernel, settings.top_k)
+
+
 def _forward(graphdef, params, tokens, positions, cache, index, attend_len=None):
     return nnx.merge(graphdef, params)(tokens, positions, cache=cache, cache_index=index, attend_len=attend_len)
 
@@ -174,13 +180,22 @@ def _propose_lookup(state: SpecState, settings: SpecSettings, vocab: int):
 
 
 def _propose_ngram(table: ngram_draft.NgramDraft, state: SpecState, sp: SpecParams, settings: SpecSettings, key):
-    """K tokens [B, K] drawn one after another from the corpus n-gram table, and its logits [B, K, V].
+    """K tokens [B, K] drawn one after another from the corpus n-gram table, and its logits
+    [B, K, V] (`_propose_ngram_candidates`' candidates scattered over the vocabulary)."""
+    toks, cands, lps = _propose_ngram_candidates(table, state, sp, settings, key)
+    return toks, ngram_draft.candidate_logits(table, cands, lps)
+
+
+def _propose_ngram_candidates(table: ngram_draft.NgramDraft, state: SpecState, sp: SpecParams,
+                              settings: SpecSettings, key):
+    """K tokens [B, K] drawn one after another from the corpus n-gram table, with each
+    position's candidates: token ids [B, K, M] and raw log-probabilities [B, K, M].
 
     Each draw runs the sampling transform over the context's M candidates, not the vocabulary:
     every other token has probability 0, so the transformed distribution is the same (top-k and
     top-p act on the same non-zero entries; greedy ties go to the lowest token id either way,
-    as candidates of equal count are in id order). The [B, K, V] logits the verifier needs are
-    scattered once at the end.
+    as candidates of equal count are in id order). The verifier takes the candidates as they
+    are (`verify.verify_sparse`), or scattered over the vocabulary (`_propose_ngram`).
     """
     c = table.order - 1
     lengths = state.lengths
@@ -197,8 +212,7 @@ def _propose_ngram(table: ngram_draft.NgramDraft, state: SpecState, sp: SpecPara
         lps.append(lp)
         ctx = jnp.concatenate([ctx[:, 1:], tok[:, None]], axis=1)
         valid = jnp.minimum(valid + 1, c)
-    logits = ngram_draft.candidate_logits(table, jnp.stack(cands, axis=1), jnp.stack(lps, axis=1))
-    return jnp.stack(toks, axis=1), logits
+    return jnp.stack(toks, axis=1), jnp.stack(cands, axis=1), jnp.stack(lps, axis=1)
 
 
 def _round(target_graphdef, target_params, draft_graphdef, draft_params, state: SpecState, sp: SpecParams,
@@ -210,8 +224,10 @@ def _round(target_graphdef, target_params, draft_graphdef, draft_params, state: 
         draft_tokens, draft_logits, draft_cache = _propose_draft(draft_graphdef, draft_params, state, sp, settings,
                                                                  k_draft)
     elif settings.proposer == "corpus_ngram":
-        draft_tokens, draft_logits = _propose_ngram(draft_params, state, sp, settings, k_draft)
+        draft_tokens, cands, cand_logits = _propose_ngram_candidates(draft_params, state, sp, settings, k_draft)
         draft_cache = state.draft_cache
+        draft_logits = None if sparse_verify(settings) else ngram_draft.candidate_logits(draft_params, cands,
+                                                                                        cand_logits)
     else:
         vocab = nnx.merge(target_graphdef, target_params).cfg.vocab_size
         draft_tokens, draft_logits = _propose_lookup(state, settings, vocab)
@@ -221,9 +237,12 @@ def _round(target_graphdef, target_params, draft_graphdef, draft_params, state: 
     positions = (lengths - 1)[:, None] + jnp.arange(k + 1)[None, :]
     target_logits, target_cache = _forward(target_graphdef, target_params, feed, positions, state.target_cache,
                                            lengths - 1)
-    res = verify(target_logits, draft_logits, draft_tokens, k_verify, rule=settings.rule,
-                 temperature=sp.temperature, top_k=settings.top_k, top_p=sp.top_p, nsd_top_p=sp.nsd_top_p,
-                 use_kernel=settings.use_kernel)
+    rules = dict(rule=settings.rule, temperature=sp.temperature, top_k=settings.top_k, top_p=sp.top_p,
+                 nsd_top_p=sp.nsd_top_p)
+    if draft_logits is None:  # the n-gram table's candidates, unscattered
+        res = verify_sparse(target_logits, cands, cand_logits, draft_tokens, k_verify, **rules)
+    else:
+        res = verify(target_logits, draft_logits, draft_tokens, k_verify, use_kernel=settings.use_kernel, **rules)
     n = res.num_accepted
     idx = jnp.arange(k + 1)[None, :]
     cand = jnp.concatenate([draft_tokens, jnp.full_like(draft_tokens[:, :1], settings.pad_id)], axis=1)

@@ -55,7 +55,7 @@ class VerifyResult:
     accept: jax.Array
 
 
-def _use_kernel(use_kernel: bool | None, top_k: int) -> bool:
+def use_kernel_for(use_kernel: bool | None, top_k: int) -> bool:
     """use_kernel overrides; otherwise the env switch, then the backend (CPU -> reference)."""
     if use_kernel is not None:
         return use_kernel
@@ -85,7 +85,7 @@ def verify(target_logits: jax.Array, draft_logits: jax.Array, draft_tokens: jax.
         top_p None or a Python number >= 1 leaves the nucleus filter out at trace time (no
         sort is compiled; `processors.log_probs`).
       use_kernel: True -> Pallas kernel (interpreted on CPU), False -> reference, None ->
-        reference on CPU or when the env var RELF_JAX_FORCE_REFERENCE=1, kernel on TPU (GPU: reference, see _use_kernel).
+        reference on CPU or when the env var RELF_JAX_FORCE_REFERENCE=1, kernel on TPU (GPU: reference, see use_kernel_for).
         Read at trace time.
     Returns:
       VerifyResult(num_accepted [B], next_token [B], accept [B, K]).
@@ -107,7 +107,7 @@ def _verify(target_logits, draft_logits, draft_tokens, key, *, rule, temperature
     exponentials = jax.random.exponential(key_race, (b, v), jnp.float32)
     settings = {"rule": rule, "temperature": temperature, "top_k": top_k, "top_p": top_p,
                     "nsd_top_p": nsd_top_p, "residual_floor": residual_floor}
-    if _use_kernel(use_kernel, top_k):
+    if use_kernel_for(use_kernel, top_k):
         num, next_token, accept = verify_kernels.verify(
             target_logits, draft_logits, draft_tokens, uniforms, exponentials,
             interpret=jax.default_backend() == "cpu", **{**settings, "top_p": 1.0 if top_p is None else top_p})
@@ -116,6 +116,68 @@ def _verify(target_logits, draft_logits, draft_tokens, key, *, rule, temperature
             target_logits, draft_logits, draft_tokens, uniforms, exponentials,
             log_probs_fn=processors.log_probs, **settings)
     return VerifyResult(num_accepted=num, next_token=next_token, accept=accept)
+
+
+def verify_sparse(target_logits: jax.Array, cand_ids: jax.Array, cand_logits: jax.Array,
+                  draft_tokens: jax.Array, key: jax.Array, *, rule: str = "standard", temperature=1.0,
+                  top_k: int = 0, top_p=1.0, nsd_top_p=0.9, residual_floor=1e-8) -> VerifyResult:
+    """`verify` for a draft whose distribution at each position lives on M candidates (the
+    corpus n-gram table's, `relf_jax.speculative.ngram_draft.next_candidates`).
+
+    cand_ids [B, K, M] token ids and cand_logits [B, K, M] raw logits (-inf on padding; a padded
+    entry may repeat a candidate's id): the draft logits are what
+    `ngram_draft.candidate_logits` would scatter over the vocabulary, and the rule, noise and
+    decisions are `verify`'s on those (reference path), up to float rounding. It costs less:
+    the draft's transform runs over M entries instead of V, and the residual
+    norm(max(0, p - q)) is built at the emitted position only, p with its candidates lowered.
+    Other arguments as in `verify`.
+    """
+    if top_p is not None and processors.static_off(top_p, lambda x: x >= 1.0):
+        top_p = None
+    return _verify_sparse(target_logits, cand_ids, cand_logits, draft_tokens, key, rule=rule,
+                          temperature=temperature, top_k=top_k, top_p=top_p, nsd_top_p=nsd_top_p,
+                          residual_floor=residual_floor)
+
+
+@functools.partial(jax.jit, static_argnames=("rule", "top_k"))
+def _verify_sparse(target_logits, cand_ids, cand_logits, draft_tokens, key, *, rule, temperature, top_k, top_p,
+                   nsd_top_p, residual_floor) -> VerifyResult:
+    b, k1, v = target_logits.shape
+    k = draft_tokens.shape[1]
+    if rule not in RULES or k1 != k + 1 or cand_ids.shape[:2] != (b, k) or cand_logits.shape != cand_ids.shape:
+        raise ValueError(f"verify_sparse: rule {rule!r}, target {target_logits.shape}, drafts {draft_tokens.shape}, "
+                         f"candidates {cand_ids.shape} / {cand_logits.shape}")
+    key_accept, key_race = jax.random.split(key)  # the same noise as `_verify`
+    uniforms = jax.random.uniform(key_accept, (b, k), jnp.float32)
+    exponentials = jax.random.exponential(key_race, (b, v), jnp.float32)
+    target = target_logits.astype(jnp.float32)
+    x = draft_tokens.astype(jnp.int32)
+    if rule == "greedy":
+        argmax = processors.first_argmax(target)
+        accept = x == argmax[:, :k]
+        num = verify_kernels._leading_run(accept)
+        return VerifyResult(num_accepted=num, next_token=jnp.take_along_axis(argmax, num[:, None], axis=1)[:, 0],
+                            accept=accept)
+    p = jnp.exp(processors.log_probs(target, temperature, top_k, top_p))  # [B, K+1, V]
+    q = jnp.exp(processors.log_probs(cand_logits.astype(jnp.float32), temperature, top_k, top_p))  # [B, K, M]
+    ids = cand_ids.astype(jnp.int32)
+    p_draft = p[:, :k]
+    p_x = jnp.take_along_axis(p_draft, x[..., None], axis=-1)[..., 0]
+    q_x = jnp.max(jnp.where(ids == x[..., None], q, 0.0), axis=-1)  # padding repeats ids with q = 0
+    accept = uniforms * q_x < p_x
+    if rule == "nsd":
+        accept = accept | verify_kernels.nucleus_member(p_draft, p_x, nsd_top_p)
+    num = verify_kernels._leading_run(accept)
+    # the emitted position n only: p_n (p_K when all K were accepted) and its residual
+    p_n = jnp.take_along_axis(p, num[:, None, None], axis=1)[:, 0]  # [B, V]
+    row = jnp.minimum(num, k - 1)[:, None, None]
+    ids_n, q_n = jnp.take_along_axis(ids, row, axis=1)[:, 0], jnp.take_along_axis(q, row, axis=1)[:, 0]  # [B, M]
+    lowered = jnp.maximum(jnp.take_along_axis(p_n, ids_n, axis=-1) - q_n, 0.0)
+    # scatter-min: a padded entry (q = 0) leaves p, never overriding its id's real candidate
+    residual = jax.vmap(lambda r, i, val: r.at[i].min(val))(p_n, ids_n, lowered)
+    enough = jnp.sum(residual, axis=-1, keepdims=True) >= residual_floor
+    chosen = jnp.where((num < k)[:, None] & enough, residual, p_n)
+    return VerifyResult(num_accepted=num, next_token=verify_kernels._race(chosen, exponentials), accept=accept)
 
 
 def output_distribution(p, q, rule: str, nsd_top_p: float = 0.9,
