@@ -237,8 +237,8 @@ def _round(target_graphdef, target_params, draft_graphdef, draft_params, state: 
     positions = (lengths - 1)[:, None] + jnp.arange(k + 1)[None, :]
     target_logits, target_cache = _forward(target_graphdef, target_params, feed, positions, state.target_cache,
                                            lengths - 1)
-    rules = dict(rule=settings.rule, temperature=sp.temperature, top_k=settings.top_k, top_p=sp.top_p,
-                 nsd_top_p=sp.nsd_top_p)
+    rules = {"rule": settings.rule, "temperature": sp.temperature, "top_k": settings.top_k, "top_p": sp.top_p,
+             "nsd_top_p": sp.nsd_top_p}
     if draft_logits is None:  # the n-gram table's candidates, unscattered
         res = verify_sparse(target_logits, cands, cand_logits, draft_tokens, k_verify, **rules)
     else:
