@@ -100,6 +100,32 @@ def test_generate_errors_and_greedy_equals_greedy_ar(tiny_model, tiny_model_cfg)
     assert [toks[i, int(lens[i]):int(lengths[i])].tolist() for i in range(2)] == want
 
 
+def test_sparse_and_scattered_verification_give_the_same_replies(tiny_model, tiny_model_cfg, monkeypatch):
+    """`generate` verifies the table's drafts on their candidates (`verify_sparse`) unless the
+    Pallas kernel runs, which gets them scattered over the vocabulary: the same replies. This
+    checks the wiring of both paths; on this random tiny target most drafts are settled by the
+    nucleus or the off-candidate residual whatever q's values, so the decisions themselves are
+    pinned by `test_verify.py::test_sparse_candidates_decide_exactly_like_their_scattered_logits`."""
+    tg, tp = tiny_model
+    prompts, lens = ar.pad_prompts([[2, 5, 6, 7, 5, 6], [2, 9], [2, 6, 5]])
+    table = _table_for(tiny_model_cfg.vocab_size)
+    runs, scattered = {}, []
+    for sparse in (True, False):
+        if not sparse:  # as where the kernel runs (use_kernel=False: another compiled program, same verifier)
+            monkeypatch.setattr(spec, "sparse_verify", lambda settings: False)
+            propose = spec._propose_ngram
+            monkeypatch.setattr(spec, "_propose_ngram", lambda *a: scattered.append(1) or propose(*a))
+        for rule, temperature in (("nsd", 1.0), ("standard", 1.0)):
+            settings = spec.SpecSettings(k=3, rule=rule, proposer="corpus_ngram", max_new_tokens=24, eos_id=-1,
+                                         use_kernel=None if sparse else False)
+            state = spec.generate(tg, tp, prompts, lens, jax.random.key(4), spec.SpecParams.make(temperature),
+                                  settings, draft_params=table)
+            runs[sparse, rule] = np.asarray(state.tokens)
+    assert scattered  # the second pass traced the scattered path
+    for rule in ("nsd", "standard"):
+        np.testing.assert_array_equal(runs[True, rule], runs[False, rule])
+
+
 def test_standard_rule_with_the_ngram_draft_samples_the_target(tiny_model, tiny_model_cfg):
     """Tokens 2 and 3 of the reply (decided by verification of n-gram drafts) follow the target's
     own marginals: a chi-square test against p(y) = sum_x p(x) p(y | x), and likewise for z."""

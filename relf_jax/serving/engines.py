@@ -195,18 +195,18 @@ class Engine(abc.ABC):
                 prompt_lengths.append(b)
                 b *= 2
         prompt_lengths = [max(1, min(n, self.max_context - self.reserve() - 1)) for n in prompt_lengths]
-        spans_limit, spans = spans, getattr(self, "_spans", None)
-        if spans is None:
+        sizer = getattr(self, "_spans", None)
+        if sizer is None:
             return self._warmup_at(prompt_lengths)
-        lengths = spans.lengths if spans_limit is None else spans.lengths[:max(1, spans_limit)]
+        lengths = sizer.lengths if spans is None else sizer.lengths[:max(1, spans)]
         try:
             for span in lengths:
-                spans.pin = span
+                sizer.pin = span
                 # the prompt buckets whose shortest prompt fits this span
-                self._warmup_at([n for n in prompt_lengths if _shortest_in_bucket(n) + 1 + spans.advance <= span]
+                self._warmup_at([n for n in prompt_lengths if _shortest_in_bucket(n) + 1 + sizer.advance <= span]
                                 or [1])
         finally:
-            spans.pin = None
+            sizer.pin = None
         slots = self.init_state().slots
         for a in lengths:  # and every change of span among them
             for b in lengths:
@@ -241,7 +241,7 @@ def _shortest_in_bucket(length: int) -> int:
     from relf_jax.sampling.autoregressive import prompt_bucket
 
     b = prompt_bucket(length)
-    return 1 if b <= 8 else b // 2 + 1
+    return 1 if b == prompt_bucket(1) else b // 2 + 1
 
 
 def _set_slot(state, new, slot):

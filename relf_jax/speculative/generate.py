@@ -224,10 +224,12 @@ def _round(target_graphdef, target_params, draft_graphdef, draft_params, state: 
         draft_tokens, draft_logits, draft_cache = _propose_draft(draft_graphdef, draft_params, state, sp, settings,
                                                                  k_draft)
     elif settings.proposer == "corpus_ngram":
-        draft_tokens, cands, cand_logits = _propose_ngram_candidates(draft_params, state, sp, settings, k_draft)
+        if sparse_verify(settings):
+            draft_tokens, cands, cand_logits = _propose_ngram_candidates(draft_params, state, sp, settings, k_draft)
+            draft_logits = None
+        else:
+            draft_tokens, draft_logits = _propose_ngram(draft_params, state, sp, settings, k_draft)
         draft_cache = state.draft_cache
-        draft_logits = None if sparse_verify(settings) else ngram_draft.candidate_logits(draft_params, cands,
-                                                                                        cand_logits)
     else:
         vocab = nnx.merge(target_graphdef, target_params).cfg.vocab_size
         draft_tokens, draft_logits = _propose_lookup(state, settings, vocab)
