@@ -9,7 +9,13 @@ what acceptance saves; the same optimizer steps per cycle):
 - ``a_distilled``: the distilled draft as it is (no online training);
 - ``b_online_distill``: the continual loop with the distillation term only (preference weight 0);
 - ``c_rcsd``: the continual loop with the RCSD loss (distillation + masked preference at the
-  first rejection against the frozen starting draft).
+  first rejection against the frozen starting draft);
+- ``c_rcsd_beta1`` (main scenario only): RCSD with a 10x stronger preference term (beta 1.0
+  instead of 0.1), so the preference term's effect shows above the noise of the serving stream.
+
+Context rows (not variants): ``reference``, the same draft shape distilled offline for
+``reference_distill_factor`` times the starting draft's steps, on the same held-out prompts:
+how much tau the starting draft's shape has left to gain.
 
 Main scenario: ``seeds`` seeds (serving stream and training order differ); tau and tokens/s of
 each final draft on held-out prompts. Traffic-shift scenario: a draft distilled on half of the
@@ -24,6 +30,7 @@ workdir, and the JSON is rewritten after every finished variant.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -34,23 +41,29 @@ import numpy as np
 from experiments.bench import _ensure_target_and_draft, _write_json
 
 VARIANTS = ("a_distilled", "b_online_distill", "c_rcsd")
+MAIN_VARIANTS = (*VARIANTS, "c_rcsd_beta1")
 
 
 @dataclasses.dataclass(frozen=True)
 class RCSDBenchSizes:
     seeds: int = 3
     cycles: int = 6
-    prompts_per_cycle: int = 32
-    steps_per_cycle: int = 20
+    # Online budget. Each example is a whole traced reply (~48 supervised positions); 20 steps of
+    # batch 8 per cycle on 32 prompts (the first version) moved tau by under 2 %.
+    prompts_per_cycle: int = 128
+    steps_per_cycle: int = 60
+    batch_size: int = 32
     eval_prompts: int = 64
     max_new_tokens: int = 48
     prompt_len: int = 32
-    learning_rate: float = 1e-3
+    learning_rate: float = 3e-3
     shift_distill_steps: int = 300
+    reference_distill_factor: int = 4  # x the starting draft's distillation steps; 0: no reference row
 
 
-QUICK = RCSDBenchSizes(seeds=3, cycles=2, prompts_per_cycle=8, steps_per_cycle=5, eval_prompts=8,
-                       max_new_tokens=16, prompt_len=32, shift_distill_steps=40)
+QUICK = RCSDBenchSizes(seeds=3, cycles=2, prompts_per_cycle=8, steps_per_cycle=5, batch_size=8, eval_prompts=8,
+                       max_new_tokens=16, prompt_len=32, learning_rate=1e-3, shift_distill_steps=40,
+                       reference_distill_factor=0)
 
 
 def _prompt_ids(grammar, tok, n: int, seed: int, topics=None) -> list[list[int]]:
@@ -62,7 +75,11 @@ def _prompt_ids(grammar, tok, n: int, seed: int, topics=None) -> list[list[int]]
 def _loss(variant: str):
     from relf_jax.speculative.rcsd import RCSDLossSettings
 
-    return RCSDLossSettings(pref_weight=0.0) if variant == "b_online_distill" else RCSDLossSettings()
+    if variant == "b_online_distill":
+        return RCSDLossSettings(pref_weight=0.0)
+    if variant == "c_rcsd_beta1":
+        return RCSDLossSettings(beta=1.0)
+    return RCSDLossSettings()
 
 
 def _run_variant(target, draft, run_dir: str, variant: str, settings, batches, eval_ids, *, eval_seed: int):
@@ -90,10 +107,12 @@ def bench_rcsd(out: str, quick: bool = False, workdir: Optional[str] = None, ove
     cfg, target, draft = _ensure_target_and_draft(preset, workdir, overrides)
     grammar = workflows.exact_judge(cfg).grammar
     tok = target.tokenizer
-    base = ContinualSettings(steps_per_cycle=sizes.steps_per_cycle, batch_size=8, serve_batch=8,
+    base = ContinualSettings(steps_per_cycle=sizes.steps_per_cycle, batch_size=sizes.batch_size, serve_batch=8,
                              learning_rate=sizes.learning_rate, k=4, rule="standard", temperature=1.0,
                              max_new_tokens=sizes.max_new_tokens, prompt_len=sizes.prompt_len)
-    root = os.path.join(workdir, "bench_rcsd" + ("_quick" if quick else ""))
+    # the sizes name the directory, so a resumed run never mixes budgets
+    tag = hashlib.sha1(json.dumps(dataclasses.asdict(sizes), sort_keys=True).encode()).hexdigest()[:8]
+    root = os.path.join(workdir, f"bench_rcsd_{tag}")
     report = {"rows": [], "shift": {}, "preset": preset, "sizes": dataclasses.asdict(sizes), "k": 4,
               "rule": "standard", "temperature": 1.0}
     t0 = time.perf_counter()
@@ -109,7 +128,7 @@ def bench_rcsd(out: str, quick: bool = False, workdir: Optional[str] = None, ove
     for seed in range(sizes.seeds):
         stream = _prompt_ids(grammar, tok, n, seed=1_000 + seed)
         batches = [stream[c * sizes.prompts_per_cycle:(c + 1) * sizes.prompts_per_cycle] for c in range(sizes.cycles)]
-        for variant in VARIANTS:
+        for variant in MAIN_VARIANTS:
             serving, final = _run_variant(target, draft, os.path.join(root, f"seed{seed}", variant), variant,
                                           dataclasses.replace(base, seed=seed), batches, eval_ids, eval_seed=4242)
             row = {"variant": variant, "seed": seed, "tau": final["tau"], "tokens_per_s": final["tokens_per_s"],
@@ -118,6 +137,19 @@ def bench_rcsd(out: str, quick: bool = False, workdir: Optional[str] = None, ove
             print(f"[bench rcsd] seed {seed} {variant:>16}: tau {final['tau']:.3f}  "
                   f"{final['tokens_per_s']:8.1f} tok/s  serving tau {[round(x, 2) for x in serving]}", flush=True)
             save()
+
+    # ---------------------------------------------------------------- headroom of the draft's shape
+    if sizes.reference_distill_factor:
+        ref_steps = sizes.reference_distill_factor * max(1, cfg.train.steps // 2)  # the draft: steps // 2
+        ref_dir = os.path.join(workdir, f"draft_steps{ref_steps}")
+        workflows.train_draft(workdir, [f"train.steps={ref_steps}"], workdir=ref_dir)
+        _, ref = _run_variant(target, workflows.load_model(ref_dir, "ar"), os.path.join(root, "reference"),
+                              "a_distilled", base, [], eval_ids, eval_seed=4242)
+        report["reference"] = {"distill_steps": ref_steps, "tau": ref["tau"],
+                               "tokens_per_s": ref["tokens_per_s"]}
+        print(f"[bench rcsd] reference: the draft distilled {ref_steps} steps: "
+              f"tau {ref['tau']:.3f}", flush=True)
+        save()
 
     # ---------------------------------------------------------------- traffic shift
     k_topics = grammar.K
@@ -158,7 +190,7 @@ def _summary(report: dict) -> dict:
                   "tau_std": float(taus.std()), "tokens_per_s_mean": float(tps.mean()), "seeds": len(rows)}
     if "a_distilled" in out:
         a = {r["seed"]: r["tau"] for r in by["a_distilled"]}
-        for v in ("b_online_distill", "c_rcsd"):
+        for v in MAIN_VARIANTS[1:]:
             if v in by:
                 ratios = [r["tau"] / a[r["seed"]] for r in by[v] if r["seed"] in a]
                 out[v]["tau_ratio_to_a"] = float(np.mean(ratios)) if ratios else None
@@ -166,6 +198,8 @@ def _summary(report: dict) -> dict:
         b = {r["seed"]: r["tau"] for r in by["b_online_distill"]}
         diffs = [r["tau"] - b[r["seed"]] for r in by["c_rcsd"] if r["seed"] in b]
         out["c_minus_b"] = {"mean": float(np.mean(diffs)), "per_seed": diffs} if diffs else None
+    if "reference" in report and "a_distilled" in out:
+        out["reference_tau_ratio_to_a"] = report["reference"]["tau"] / out["a_distilled"]["tau_mean"]
     ref = report.get("shift_reference")
     if ref and report["shift"]:
         full = ref["full_draft_tau"]

@@ -42,7 +42,8 @@ def _rcsd_draft(lm, draft, judge, workdir: str, *, quick: bool):
     k, context = 4, min(lm.model_cfg.max_seq_len, draft.model_cfg.max_seq_len)
     prompt_len = min(32, context // 4)
     settings = ContinualSettings(steps_per_cycle=RCSD_STEPS, rule="nsd", k=k, prompt_len=prompt_len,
-                                 max_new_tokens=min(48, context - prompt_len - k - 1), learning_rate=1e-3)
+                                 max_new_tokens=min(48, context - prompt_len - k - 1), batch_size=8,
+                                 learning_rate=1e-3)
     texts = [info["prompt"] for info in judge.grammar.sample_with_info(cycles * RCSD_PROMPTS, 31337)]
     ids = [workflows.encode_prompt(lm.tokenizer, t) for t in texts]
     trainer = ContinualDraftTrainer(lm, draft, workdir, settings)

@@ -67,10 +67,12 @@ def _parser() -> argparse.ArgumentParser:
     rc.add_argument("--draft", default=None, help="the starting draft (default <target>/draft)")
     rc.add_argument("--workdir", default=None, help="replay store, trained draft, progress (default <target>/rcsd)")
     rc.add_argument("--cycles", type=int, default=10)
-    rc.add_argument("--prompts-per-cycle", type=int, default=32)
+    rc.add_argument("--prompts-per-cycle", type=int, default=128)
     rc.add_argument("--prompts", default=None, help="a text file, one prompt per line (default: fresh "
                                                     "synthetic_chat prompts)")
-    rc.add_argument("--steps-per-cycle", type=int, default=20)
+    rc.add_argument("--steps-per-cycle", type=int, default=60)
+    rc.add_argument("--batch-size", type=int, default=32, help="training batch (traced replies)")
+    rc.add_argument("--learning-rate", type=float, default=3e-3)
     rc.add_argument("--rule", default="standard", choices=["standard", "nsd"])
     rc.add_argument("--pref-weight", type=float, default=1.0, help="0: online distillation only")
 
@@ -410,9 +412,10 @@ def _rcsd(args) -> int:
     from relf_jax.speculative.continual import ContinualDraftTrainer, ContinualSettings
     from relf_jax.speculative.rcsd import RCSDLossSettings
 
-    if args.cycles < 1 or args.prompts_per_cycle < 1 or args.steps_per_cycle < 0 or args.pref_weight < 0:
+    if (args.cycles < 1 or args.prompts_per_cycle < 1 or args.steps_per_cycle < 0 or args.pref_weight < 0
+            or args.batch_size < 1 or not args.learning_rate > 0):
         raise ConfigError("rcsd needs --cycles >= 1, --prompts-per-cycle >= 1, --steps-per-cycle >= 0, "
-                          "--pref-weight >= 0")
+                          "--batch-size >= 1, --learning-rate > 0, --pref-weight >= 0")
     target = workflows.load_model(args.target, "ar")
     draft = workflows.load_model(args.draft or os.path.join(args.target, "draft"), "ar")
     n = args.cycles * args.prompts_per_cycle
@@ -431,7 +434,8 @@ def _rcsd(args) -> int:
     batches = [ids[c * args.prompts_per_cycle:(c + 1) * args.prompts_per_cycle] for c in range(args.cycles)]
     k, context = 4, min(target.model_cfg.max_seq_len, draft.model_cfg.max_seq_len)
     prompt_len = min(64, context // 2)
-    settings = ContinualSettings(steps_per_cycle=args.steps_per_cycle, rule=args.rule, k=k, prompt_len=prompt_len,
+    settings = ContinualSettings(steps_per_cycle=args.steps_per_cycle, batch_size=args.batch_size,
+                                 learning_rate=args.learning_rate, rule=args.rule, k=k, prompt_len=prompt_len,
                                  max_new_tokens=min(64, context - prompt_len - k - 1),
                                  loss=RCSDLossSettings(pref_weight=args.pref_weight))
     trainer = ContinualDraftTrainer(target, draft, args.workdir or os.path.join(args.target, "rcsd"), settings)

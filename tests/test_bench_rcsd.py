@@ -25,3 +25,14 @@ def test_summary_ratios_spread_and_shift_recovery():
     assert s["shift"]["c_rcsd_recovered_fraction"] == pytest.approx(0.75)
     assert s["shift"]["b_online_distill_recovered_fraction"] == pytest.approx(0.4)
     assert s["shift"]["a_distilled_recovered_fraction"] == pytest.approx(0.0)
+
+
+def test_summary_reference_and_extra_variant():
+    rows = [{"variant": "a_distilled", "seed": 0, "tau": 2.0, "tokens_per_s": 1.0},
+            {"variant": "a_distilled", "seed": 1, "tau": 3.0, "tokens_per_s": 1.0},
+            {"variant": "c_rcsd_beta1", "seed": 0, "tau": 2.2, "tokens_per_s": 1.0},
+            {"variant": "c_rcsd_beta1", "seed": 1, "tau": 2.7, "tokens_per_s": 1.0}]
+    s = _summary({"rows": rows, "shift": {}, "reference": {"distill_steps": 1200, "tau": 3.75}})
+    assert s["c_rcsd_beta1"]["tau_ratio_to_a"] == pytest.approx((1.1 + 0.9) / 2)
+    assert s["reference_tau_ratio_to_a"] == pytest.approx(1.5)
+    assert "c_minus_b" not in s and "shift" not in s
