@@ -35,12 +35,17 @@ def _write_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
+def draft_steps(cfg) -> int:
+    """The distillation steps of the demo's draft: half the target's."""
+    return max(1, cfg.train.steps // 2)
+
+
 def _ensure_target_and_draft(preset: str, workdir: str, overrides: Sequence[str] = ()):
     from relf_jax import workflows  # the data stack; `bench verify` runs without it
     cfg = make_config(preset, list(overrides), workdir=workdir)
     workflows.train_lm(cfg)
     lm = workflows.load_model(workdir, "ar")
-    workflows.train_draft(workdir, [f"train.steps={max(1, cfg.train.steps // 2)}"])  # as the demo does
+    workflows.train_draft(workdir, [f"train.steps={draft_steps(cfg)}"])  # as the demo does
     draft = workflows.load_model(os.path.join(workdir, "draft"), "ar")
     return cfg, lm, draft
 

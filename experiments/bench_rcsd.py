@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from experiments.bench import _ensure_target_and_draft, _write_json
+from experiments.bench import _ensure_target_and_draft, _write_json, draft_steps
 
 VARIANTS = ("a_distilled", "b_online_distill", "c_rcsd")
 MAIN_VARIANTS = (*VARIANTS, "c_rcsd_beta1")
@@ -140,7 +140,7 @@ def bench_rcsd(out: str, quick: bool = False, workdir: Optional[str] = None, ove
 
     # ---------------------------------------------------------------- headroom of the draft's shape
     if sizes.reference_distill_factor:
-        ref_steps = sizes.reference_distill_factor * max(1, cfg.train.steps // 2)  # the draft: steps // 2
+        ref_steps = sizes.reference_distill_factor * draft_steps(cfg)
         ref_dir = os.path.join(workdir, f"draft_steps{ref_steps}")
         workflows.train_draft(workdir, [f"train.steps={ref_steps}"], workdir=ref_dir)
         _, ref = _run_variant(target, workflows.load_model(ref_dir, "ar"), os.path.join(root, "reference"),

@@ -331,12 +331,13 @@ def _lean_route_batch1(lean: ServerProcess, first: dict, variants: dict[str, tup
 # ----------------------------------------------------------------------------- the benchmark
 
 def _ensure_models(workdir: str, preset: str, overrides: Sequence[str]):
+    from experiments.bench import draft_steps
     from relf_jax import workflows
     from relf_jax.config import make_config
 
     cfg = make_config(preset, list(overrides), workdir=workdir)
     workflows.train_lm(cfg)
-    workflows.train_draft(cfg.workdir, [f"train.steps={max(1, cfg.train.steps // 2)}"])
+    workflows.train_draft(cfg.workdir, [f"train.steps={draft_steps(cfg)}"])
     return cfg
 
 
