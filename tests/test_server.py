@@ -165,6 +165,43 @@ def test_lean_route_answers_as_the_fastapi_stack_does():
         assert ok.json()["choices"][0]["message"]["content"] == "hello world"
 
 
+def test_stream_ends_its_body_with_the_last_events():
+    """The ASGI messages of a streamed reply: the headers first, then text, and the finish chunk,
+    usage and [DONE] end the body in one message (no trailing empty one: one write less)."""
+    from relf_jax.serving.server import create_app
+
+    app = create_app(mock_models(1))
+    body = json.dumps({"model": "mock", "stream": True, "stream_options": {"include_usage": True},
+                       "messages": USER}).encode()
+    sent, given = [], []
+
+    async def receive():
+        if not given:
+            given.append(1)
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(3600)  # the client stays connected
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                          (b"content-length", str(len(body)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 30))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    bodies = sent[1:]
+    assert all(m["type"] == "http.response.body" for m in bodies)
+    assert [m["more_body"] for m in bodies] == [True] * (len(bodies) - 1) + [False]
+    last = bodies[-1]["body"].decode()
+    assert last.endswith("data: [DONE]\n\n") and '"finish_reason": "stop"' in last and '"usage": {' in last
+    text = "".join(json.loads(ln[6:])["choices"][0]["delta"].get("content") or ""
+                   for m in bodies for ln in m["body"].decode().split("\n\n")
+                   if ln.startswith("data: {") and json.loads(ln[6:])["choices"])
+    assert text == "hello world"
+
+
 def test_full_queue_429_and_disconnect_frees_the_slot():
     with live_server(mock_models(1, step_s=0.02, max_queue=1)) as base:
         long = {"model": "mock", "stream": True, "max_tokens": 200,
