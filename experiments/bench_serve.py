@@ -20,6 +20,11 @@ Three comparisons, each side by side in one run:
    side by side against a server started with ``--no-lean-routes`` (every request through
    FastAPI's whole stack) and one started with ``--overlap off`` (no engine step starts before
    the host work on the last one ends), runs going round the three (`_lean_route_batch1`).
+   **The same engines without the server** (part "batcher", `batcher_capacity`): each engine
+   behind its `Batcher` in the bench's own process, the same requests all queued at once, runs
+   taken in turn across the engines. Output tokens/s and requests/s there are what the engines
+   and the batcher allow, with no HTTP and no client on the machine: the ceiling of the NSD / AR
+   ratios measured through the server.
 3. **FCFS vs SJF-DWS** on the block-diffusion engine with one slot (a non-preemptive server,
    where the discrete-event simulator is exact), both policies in one server process, each
    its own engine: every prompt is first timed alone (batch 1), then one Poisson stream is
@@ -64,6 +69,7 @@ class ServeBenchSizes:
     temperature: float = 1.0
     batch1_requests: int = 48
     lean_route_reps: int = 3  # AR batch-1 runs on each of the lean and the FastAPI-stack servers (alternating)
+    batcher_reps: int = 3  # in-process capacity runs per engine (`batcher_capacity`), taken in turn
     dws_requests: int = 400
     dws_loads: tuple[float, ...] = (0.9, 1.2)
     dws_reps: int = 3  # runs per load (each drives both policies at once)
@@ -80,6 +86,7 @@ SPEC_ENGINES = (("ar", ["--generator", "ar"]),
                 ("nsd_ngram", ["--generator", "nsd", "--proposer", "corpus_ngram"]))
 
 QUICK = ServeBenchSizes(preset="tiny", requests=48, rate_factors=(1.0, 8.0), batch1_requests=8, lean_route_reps=1,
+                        batcher_reps=1,
                         dws_requests=48,
                         dws_loads=(1.2,), dws_reps=1, max_tokens=32, dws_max_tokens=48)
 
@@ -177,6 +184,63 @@ def _run_load(url: str, bodies: list[dict], arrivals: Sequence[float] | None) ->
     res = subprocess.run([sys.executable, "-c", code], input=json.dumps(spec), capture_output=True, text=True,
                          cwd=ROOT, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------- without the server
+
+def _engine_kw(args: Sequence[str]) -> tuple[str, dict]:
+    """(generator, `load_engine` keywords) of a `SPEC_ENGINES` argument list."""
+    opts = dict(zip(args[::2], args[1::2]))
+    return opts.pop("--generator"), {k.lstrip("-").replace("-", "_"): v for k, v in opts.items()}
+
+
+def _drain(batcher, requests: list) -> dict:
+    """Queue every request in `requests` (prompt ids, `RequestParams`) at once on a started
+    `Batcher`; wait for all of them: output tokens/s and requests/s over that time."""
+    import threading
+
+    from relf_jax.serving.batching import GenerationRequest
+
+    done, lock = threading.Semaphore(0), threading.Lock()
+    totals = {"tokens": 0, "errors": 0}
+
+    def sink(ev):
+        if ev.finish_reason is None:
+            return
+        with lock:
+            if ev.finish_reason in ("stop", "length"):
+                totals["tokens"] += ev.usage["completion_tokens"]
+            else:
+                totals["errors"] += 1
+        done.release()
+
+    t0 = time.perf_counter()
+    for prompt, params in requests:
+        batcher.submit(GenerationRequest(prompt=list(prompt), params=params), sink)
+    for _ in requests:
+        done.acquire()
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "output_tokens": totals["tokens"], "errors": totals["errors"],
+            "output_tokens_per_s": totals["tokens"] / wall, "requests_per_s": len(requests) / wall}
+
+
+def batcher_capacity(batchers: dict, requests: list, reps: int) -> dict:
+    """Each engine's capacity without the server: `requests` all queued at once on its `Batcher`
+    in this process (no HTTP, no client), `reps` runs taken in turn across the engines so that
+    they share the machine's noise. Per engine: the runs, and the median output tokens/s,
+    requests/s and tokens per request; the NSD / AR ratios are what the engines and batcher
+    alone allow, the ceiling of the ratios measured through the server."""
+    runs = {name: [] for name in batchers}
+    for _ in range(reps):
+        for name, batcher in batchers.items():
+            runs[name].append(_drain(batcher, requests))
+    out = {}
+    for name, rs in runs.items():
+        out[name] = {"runs": rs, "errors": sum(r["errors"] for r in rs),
+                     "output_tokens_per_s": float(np.median([r["output_tokens_per_s"] for r in rs])),
+                     "requests_per_s": float(np.median([r["requests_per_s"] for r in rs])),
+                     "tokens_per_request": rs[0]["output_tokens"] / max(len(requests), 1)}
+    return out
 
 
 # ----------------------------------------------------------------------------- servers
@@ -367,13 +431,14 @@ def _ensure_dws(workdir: str, quick: bool) -> tuple[str, str]:
     return headline(), report
 
 
-PARTS = ("engines", "dws")
+PARTS = ("engines", "batcher", "dws")
 
 
 def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),
                 sizes: ServeBenchSizes | None = None, parts: Sequence[str] = PARTS) -> dict:
-    """Runs the comparisons named in `parts` ("engines": 1 + 2 of the module docstring; "dws": 3)
-    and writes the JSON to `out`."""
+    """Runs the comparisons named in `parts` ("engines": 1 + 2 of the module docstring; "batcher":
+    the same engines' capacity without the server, `batcher_capacity`; "dws": 3) and writes the
+    JSON to `out`."""
     from relf_jax import workflows
     from relf_jax.dws.predictor import WorkloadCost
     from relf_jax.dws.workload import workload_prompts
@@ -446,6 +511,43 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
                     for f in engines["ar"]["rates"]}
         result["overhead_share_batch1"] = {g: engines[g]["batch1"]["overhead_share"] for g in engines}
         result["server_overhead_share_batch1"] = {g: engines[g]["batch1"]["server_overhead_share"] for g in engines}
+
+    # --- the same engines without the server: their capacity in this process
+    if "batcher" in parts:
+        from relf_jax.serving.chat import encode_chat
+        from relf_jax.serving.engines import RequestParams
+        from relf_jax.serving.server import build_models
+
+        batchers, requests = {}, None
+        try:
+            for gen, extra in SPEC_ENGINES:
+                generator, kw = _engine_kw(extra)
+                if sz.max_context is not None:
+                    kw["max_context"] = sz.max_context
+                print(f"[bench serve] {gen} engine in process: compiling", flush=True)
+                with contextlib.redirect_stderr(sys.stdout):
+                    served = build_models(workdir, [generator], model_name="m", slots=sz.slots, k=sz.k, **kw)["m"][0]
+                batchers[gen] = served.batcher
+                if requests is None:  # what the server makes of `_bodies`' requests
+                    bodies = _bodies(prompts[:sz.requests], "m", max_tokens=sz.max_tokens,
+                                     temperature=sz.temperature, seed=sz.seed)
+                    requests = [(encode_chat(served.engine.tokenizer, served.template, b["messages"]),
+                                 RequestParams(max_tokens=b["max_tokens"], temperature=b["temperature"],
+                                               seed=b["seed"] % (2 ** 31))) for b in bodies]
+            cap = batcher_capacity(batchers, requests, sz.batcher_reps)
+        finally:
+            for b in batchers.values():
+                b.stop()
+        for gen, r in cap.items():
+            print(f"[bench serve] {gen} in process: {r['output_tokens_per_s']:.0f} tok/s, "
+                  f"{r['requests_per_s']:.1f} req/s, {r['tokens_per_request']:.1f} tokens/request", flush=True)
+        result["batcher"] = cap
+        for gen in cap:
+            if gen != "ar":
+                result[f"batcher_{gen}_over_ar_tokens_per_s"] = (cap[gen]["output_tokens_per_s"]
+                                                                 / cap["ar"]["output_tokens_per_s"])
+                result[f"batcher_{gen}_over_ar_requests_per_s"] = (cap[gen]["requests_per_s"]
+                                                                   / cap["ar"]["requests_per_s"])
 
     # --- 3: FCFS vs SJF-DWS on the block-diffusion engine, one slot
     if "dws" in parts:
@@ -531,7 +633,7 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
                          "calibration": calibration, "loads": loads}
     result["wall_s"] = time.perf_counter() - t_start
     workflows.write_json(out, result)
-    summary = {k: v for k, v in result.items() if k.endswith("_over_ar_tokens_per_s")}
+    summary = {k: v for k, v in result.items() if k.endswith(("_over_ar_tokens_per_s", "_over_ar_requests_per_s"))}
     if "engines" in parts:
         summary["overhead_share_batch1"] = result["overhead_share_batch1"]
         summary["server_overhead_share_batch1"] = result["server_overhead_share_batch1"]

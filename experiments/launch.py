@@ -98,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="tiny preset, a few minutes")
     b.add_argument("--workdir", default=None, help="where models are trained / cached")
     b.add_argument("--parts", default=None, help="bench serve and relf only: which parts, comma-separated; serve: "
-                                                 "engines (AR vs NSD, batch-1 overhead) and dws (FCFS vs SJF-DWS); "
+                                                 "engines (AR vs NSD, batch-1 overhead), batcher (the same engines without the "
+                                                 "server) and dws (FCFS vs SJF-DWS); "
                                                  "relf: models, reflow (reflow and no-pairs control rounds), "
                                                  "latency; default all")
 

@@ -57,7 +57,7 @@ def test_bench_serve_parts_are_checked(capsys, tmp_path):
     rc, _, err = _run(capsys, "bench", "relf", "--out", out, "--parts", "reflow,speed", "--workdir", str(tmp_path))
     _one_line_error(rc, err, "models, reflow, latency", "speed")
     rc, _, err = _run(capsys, "bench", "serve", "--out", out, "--parts", "engines,gpu", "--workdir", str(tmp_path))
-    _one_line_error(rc, err, "engines, dws", "gpu")
+    _one_line_error(rc, err, "engines, batcher, dws", "gpu")
     assert parse_args(["serve", "--mock", "--steps-per-call", "3"]).steps_per_call == 3
 
 

@@ -334,6 +334,32 @@ def test_bench_load_generator_against_the_mock_server():
     assert 0 < s["ttft_p50"] <= s["e2e_p50"] <= s["e2e_p99"] and s["output_tokens_per_s"] > 0
 
 
+def test_bench_batcher_capacity_on_mock_engines():
+    """`bench serve`'s in-process capacity runs: every request finishes, its tokens are counted,
+    and an engine whose steps take longer serves fewer tokens per second."""
+    from experiments.bench_serve import SPEC_ENGINES, _engine_kw, batcher_capacity
+    from relf_jax.serving.engines import MockEngine, RequestParams
+
+    assert _engine_kw(dict(SPEC_ENGINES)["nsd_ngram"]) == ("nsd", {"proposer": "corpus_ngram"})
+    assert _engine_kw(dict(SPEC_ENGINES)["ar"]) == ("ar", {})
+    slow, fast = MockEngine(2, step_s=0.004), MockEngine(2, step_s=0.0005)
+    batchers = {"ar": Batcher(slow).start(), "nsd": Batcher(fast).start()}
+    tok = slow.tokenizer
+    requests = [([tok.bos_id] + tok.encode(f"<user> reply {i} <assistant>"), RequestParams(32, 1.0, 1.0, i))
+                for i in range(6)]
+    try:
+        out = batcher_capacity(batchers, requests, 2)
+    finally:
+        for b in batchers.values():
+            b.stop()
+    tokens = sum(len(slow.reply_for(p)) for p, _ in requests)  # the reply and its EOS
+    for name in ("ar", "nsd"):
+        assert [r["output_tokens"] for r in out[name]["runs"]] == [tokens, tokens] and out[name]["errors"] == 0
+        assert out[name]["tokens_per_request"] == tokens / 6
+    assert out["nsd"]["output_tokens_per_s"] > 2 * out["ar"]["output_tokens_per_s"]
+    assert out["nsd"]["requests_per_s"] > 2 * out["ar"]["requests_per_s"]
+
+
 def test_bench_lean_route_comparison_on_mock_servers(tmp_path):
     """`bench serve`'s side-by-side batch-1 runs of the normal server against `serve
     --no-lean-routes` and `serve --overlap off`."""
