@@ -58,6 +58,26 @@ def test_attend_len_skips_the_cache_tail_with_the_same_logits_and_cache(tiny_mod
     assert not np.allclose(short[:, 3:], want[:, 3:], atol=1e-3)
 
 
+def test_logits_at_gives_one_row_of_the_full_logits_and_the_same_cache(tiny_model, tiny_model_cfg):
+    """`logits_at` (a prefill's last prompt position per row): the full logits at those positions,
+    up to float rounding, as [B, 1, V]; the cache is the one the full call writes."""
+    graphdef, params = tiny_model
+    model = jax.jit(lambda toks, pos, cache, at: nnx.merge(graphdef, params)(
+        toks, pos, cache=cache, cache_index=jnp.zeros(toks.shape[0], jnp.int32), attend_len=toks.shape[1],
+        logits_at=at))
+    b, t = 3, 8
+    toks = jax.random.randint(jax.random.key(3), (b, t), 0, tiny_model_cfg.vocab_size)
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    cache = init_cache(tiny_model_cfg, b, 16)
+    want, want_cache = model(toks, pos, cache, None)
+    at = jnp.array([7, 2, 4], jnp.int32)
+    got, got_cache = model(toks, pos, cache, at)
+    assert got.shape == (b, 1, tiny_model_cfg.vocab_size)
+    np.testing.assert_allclose(got[:, 0], want[np.arange(b), np.asarray(at)], atol=1e-5)
+    for x, y in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_allclose(x, y, atol=1e-6)
+
+
 def test_segment_mask_isolates_documents(tiny_model, tiny_model_cfg):
     model = _jitted(*tiny_model)
     a = jax.random.randint(jax.random.key(2), (1, 6), 0, tiny_model_cfg.vocab_size)

@@ -48,8 +48,9 @@ class CausalLM(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None, *,
                  segment_ids: Optional[jax.Array] = None, cache: Optional[KVCache] = None,
-                 cache_index: Optional[jax.Array] = None, attend_len: Optional[int] = None):
-        """Logits for every input position.
+                 cache_index: Optional[jax.Array] = None, attend_len: Optional[int] = None,
+                 logits_at: Optional[jax.Array] = None):
+        """Logits for every input position (or, with `logits_at`, one per row).
 
         tokens, positions, segment_ids: [B, T] int. Without a cache the mask is causal over the
         sequence index, restricted to equal `segment_ids` (packed documents). With a cache
@@ -59,8 +60,10 @@ class CausalLM(nnx.Module):
         queries may see (all positions < attend_len); the cache is still written in full. The
         samplers' prefills pass the prompt length, so a prompt skips the empty rest of its cache.
         (Per decode step this would slice the cache, which XLA:CPU copies every step; the serving
-        engines resize the caches instead, `relf_jax.serving.engines._Spans`.) Returns (logits
-        [B, T, V] float32, cache).
+        engines resize the caches instead, `relf_jax.serving.engines._Spans`.) `logits_at` ([B]
+        int): only the logits at that position of each row, [B, 1, V] (a prefill needs its
+        last prompt position only: the output layer runs once per row instead of T times).
+        Returns (logits [B, T, V] float32, cache).
         """
         b, t = tokens.shape
         if positions is None:
@@ -80,6 +83,8 @@ class CausalLM(nnx.Module):
         for i, block in enumerate(self.blocks):
             x, c = block(x, positions, mask, cache=None if cache is None else cache[i], cache_index=cache_index)
             new_cache.append(c)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
         x = self.final_norm(x).astype(jnp.float32)
         if self.cfg.tie_embeddings:
             logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(jnp.float32))

@@ -88,9 +88,9 @@ def pad_prompts_np(prompts: Sequence[Sequence[int]], pad_id: int = 0, bucket: in
     return arr, np.asarray([len(p) for p in prompts], np.int32)
 
 
-def _forward(graphdef, params, tokens, positions, cache, cache_index, attend_len=None):
+def _forward(graphdef, params, tokens, positions, cache, cache_index, attend_len=None, logits_at=None):
     model = nnx.merge(graphdef, params)
-    return model(tokens, positions, cache=cache, cache_index=cache_index, attend_len=attend_len)
+    return model(tokens, positions, cache=cache, cache_index=cache_index, attend_len=attend_len, logits_at=logits_at)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
@@ -101,9 +101,10 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lengths: jax.Array, key
     total = p + settings.max_new_tokens
     cache = init_cache(nnx.merge(graphdef, params).cfg, b, total)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    # the prompt's queries see its own slots only: skip the rest of the cache
-    logits, cache = _forward(graphdef, params, prompts, positions, cache, jnp.zeros((b,), jnp.int32), attend_len=p)
-    last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+    # the prompt's queries see its own slots only: skip the rest of the cache; logits at its end only
+    logits, cache = _forward(graphdef, params, prompts, positions, cache, jnp.zeros((b,), jnp.int32), attend_len=p,
+                             logits_at=prompt_lengths - 1)
+    last = logits[:, 0]
     key, sub = jax.random.split(key)
     tok = processors.sample(last, sub, sampling.temperature, sampling.top_k, sampling.top_p)
     tokens = jnp.full((b, total), settings.pad_id, jnp.int32).at[:, :p].set(prompts)

@@ -114,8 +114,9 @@ def sparse_verify(settings: SpecSettings) -> bool:
     return settings.proposer == "corpus_ngram" and not use_kernel_for(settings.use_kernel, settings.top_k)
 
 
-def _forward(graphdef, params, tokens, positions, cache, index, attend_len=None):
-    return nnx.merge(graphdef, params)(tokens, positions, cache=cache, cache_index=index, attend_len=attend_len)
+def _forward(graphdef, params, tokens, positions, cache, index, attend_len=None, logits_at=None):
+    return nnx.merge(graphdef, params)(tokens, positions, cache=cache, cache_index=index, attend_len=attend_len,
+                                       logits_at=logits_at)
 
 
 def _take(tokens, positions):
@@ -287,16 +288,17 @@ def _prefill(target_graphdef, target_params, draft_graphdef, draft_params, promp
     tcfg = nnx.merge(target_graphdef, target_params).cfg
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     zero = jnp.zeros((b,), jnp.int32)
-    # the prompt's queries see its own slots only (attend_len): skip the rest of the caches
+    # the prompt's queries see its own slots only (attend_len): skip the rest of the caches; the
+    # target's logits at the prompt's end only
     logits, tcache = _forward(target_graphdef, target_params, prompts, positions, init_cache(tcfg, b, total), zero,
-                              attend_len=p)
+                              attend_len=p, logits_at=prompt_lengths - 1)
     if settings.proposer == "draft":
         dcfg = nnx.merge(draft_graphdef, draft_params).cfg
         _, dcache = _forward(draft_graphdef, draft_params, prompts, positions, init_cache(dcfg, b, total), zero,
                              attend_len=p)
     else:
         dcache = ()
-    last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+    last = logits[:, 0]
     key, sub = jax.random.split(key)
     tok = processors.sample(last, sub, _temperature(sp, settings), settings.top_k, sp.top_p)
     tokens = jnp.full((b, total), settings.pad_id, jnp.int32).at[:, :p].set(prompts)
