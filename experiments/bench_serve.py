@@ -7,24 +7,25 @@ prompts). Every request records its time to first token (TTFT), time per output 
 the first (TPOT), end-to-end latency and its output tokens (the server's usage report);
 a run reports p50/p99 of each, the mean latency, output tokens/s over the run, and errors.
 
-Three comparisons, each side by side in one run:
+Three comparisons, each side by side in one run (parts "engines": 1 and 2, "batcher": the
+second half of 1, "dws": 3):
 
 1. **AR vs NSD speculative engines** (same model, `slots` slots, FCFS; NSD with its distilled
    draft, with the prompt-lookup proposer and with the corpus n-gram table): the same request stream at several rates,
    multiples of the AR engine's batch-1 request rate; reports each NSD / AR ratio of output
    tokens/s at each rate, and the replies' quality (NSD is lossy): gen PPL of each reply given
    its prompt under the exact `synthetic_chat` judge, entropy, length.
+   **The same engines without the server** (part "batcher", `batcher_capacity`): each engine
+   behind its `Batcher` in the bench's own process, the same requests all queued at once, runs
+   taken in turn across the engines. Output tokens/s and requests/s there are what the engines
+   and the batcher allow, with no HTTP and no client on the machine: the ceiling of the NSD / AR
+   ratios measured through the server.
 2. **Server overhead at batch 1**: requests sent one after another; the share of the
    client-measured end-to-end time that was not spent in engine prefill/steps (the server's
    ``relf_model_seconds_total`` counter, read from /metrics before and after). For AR, also
    side by side against a server started with ``--no-lean-routes`` (every request through
    FastAPI's whole stack) and one started with ``--overlap off`` (no engine step starts before
    the host work on the last one ends), runs going round the three (`_lean_route_batch1`).
-   **The same engines without the server** (part "batcher", `batcher_capacity`): each engine
-   behind its `Batcher` in the bench's own process, the same requests all queued at once, runs
-   taken in turn across the engines. Output tokens/s and requests/s there are what the engines
-   and the batcher allow, with no HTTP and no client on the machine: the ceiling of the NSD / AR
-   ratios measured through the server.
 3. **FCFS vs SJF-DWS** on the block-diffusion engine with one slot (a non-preemptive server,
    where the discrete-event simulator is exact), both policies in one server process, each
    its own engine: every prompt is first timed alone (batch 1), then one Poisson stream is
