@@ -57,9 +57,9 @@ def step_functions(model_cfg, max_len: int):
         b, p = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         cache = init_cache(model_cfg, b, max_len)
-        logits, cache = model(tokens, positions, cache=cache, cache_index=jnp.zeros((b,), jnp.int32))
-        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-        return last, cache
+        logits, cache = model(tokens, positions, cache=cache, cache_index=jnp.zeros((b,), jnp.int32),
+                              logits_at=lengths - 1)
+        return logits[:, 0], cache
 
     def decode(params, tokens, positions, cache):
         model = _rebuild(model_cfg, params)
