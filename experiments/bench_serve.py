@@ -519,7 +519,7 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
         from relf_jax.serving.engines import RequestParams
         from relf_jax.serving.server import build_models
 
-        batchers, requests = {}, None
+        served = {}
         try:
             for gen, extra in SPEC_ENGINES:
                 generator, kw = _engine_kw(extra)
@@ -527,18 +527,18 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
                     kw["max_context"] = sz.max_context
                 print(f"[bench serve] {gen} engine in process: compiling", flush=True)
                 with contextlib.redirect_stderr(sys.stdout):
-                    served = build_models(workdir, [generator], model_name="m", slots=sz.slots, k=sz.k, **kw)["m"][0]
-                batchers[gen] = served.batcher
-                if requests is None:  # what the server makes of `_bodies`' requests
-                    bodies = _bodies(prompts[:sz.requests], "m", max_tokens=sz.max_tokens,
-                                     temperature=sz.temperature, seed=sz.seed)
-                    requests = [(encode_chat(served.engine.tokenizer, served.template, b["messages"]),
-                                 RequestParams(max_tokens=b["max_tokens"], temperature=b["temperature"],
-                                               seed=b["seed"] % (2 ** 31))) for b in bodies]
-            cap = batcher_capacity(batchers, requests, sz.batcher_reps)
+                    served[gen] = build_models(workdir, [generator], model_name="m", slots=sz.slots, k=sz.k,
+                                               **kw)["m"][0]
+            one = served["ar"]  # every engine shares the model's tokenizer and template
+            bodies = _bodies(prompts[:sz.requests], "m", max_tokens=sz.max_tokens, temperature=sz.temperature,
+                             seed=sz.seed)
+            requests = [(encode_chat(one.engine.tokenizer, one.template, b["messages"]),  # what the server makes of them
+                         RequestParams(max_tokens=b["max_tokens"], temperature=b["temperature"],
+                                       seed=b["seed"] % (2 ** 31))) for b in bodies]
+            cap = batcher_capacity({gen: s.batcher for gen, s in served.items()}, requests, sz.batcher_reps)
         finally:
-            for b in batchers.values():
-                b.stop()
+            for s in served.values():
+                s.batcher.stop()
         for gen, r in cap.items():
             print(f"[bench serve] {gen} in process: {r['output_tokens_per_s']:.0f} tok/s, "
                   f"{r['requests_per_s']:.1f} req/s, {r['tokens_per_request']:.1f} tokens/request", flush=True)
