@@ -1,11 +1,30 @@
-"""The temperature / top-k / top-p transform shared by every token-deciding sampler.
+"""The logits processors shared by every token-deciding sampler.
 
 All of it runs in float32. Autoregressive sampling, speculative verification (target and draft
-get the same transform) and the serving engines call `log_probs` or `sample`.
+get the same transform) and the serving engines call `adjust` (logit-level processors), then
+`log_probs` or `sample` (temperature and the filters).
+
+The order is transformers' (`GenerationMixin._get_logits_processor`: its logit processors, then
+its warpers), with OpenAI's frequency/presence penalties after the repetition penalty as vLLM
+applies them:
+
+1. ``logit_bias``: a bias added per token (transformers' `SequenceBiasLogitsProcessor` with
+   one-token sequences);
+2. ``repetition_penalty`` r over every token seen in the prompt or the reply so far:
+   logit / r where the logit is > 0, logit * r otherwise (`RepetitionPenaltyLogitsProcessor`);
+3. ``frequency_penalty`` f and ``presence_penalty`` e over the reply's tokens (OpenAI):
+   logit - count * f - (count > 0) * e;
+4. temperature; 5. top-k; 6. top-p; 7. ``min_p``: keep tokens with p >= min_p * p_max
+   (`MinPLogitsWarper`: after temperature, top-k and top-p; the probability ratio is the same
+   before and after their renormalisation).
+
+A processor that is off is given as ``None`` (or a Python value that disables it) and is then
+left out at trace time: it costs nothing.
 """
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,7 +68,99 @@ def static_off(value, off) -> bool:
     return False
 
 
-def _transform(logits: jax.Array, temperature, top_k, top_p) -> tuple[jax.Array, jax.Array]:
+@flax.struct.dataclass
+class Penalties:
+    """The logit-level processors of a batch of rows, with the token state they read.
+
+    Settings, one value per row [...] (None: off for every row, left out at trace time):
+    bias [..., V] float32 (added to the logits); repetition [...] (1 = off); frequency and
+    presence [...] (0 = off). State: counts [..., V] int32 (times each token was generated so
+    far) and seen [..., V] bool (the token occurs in the prompt or the reply), updated with
+    `commit` as tokens are committed; None when no penalty needs them.
+    """
+
+    bias: jax.Array | None = None
+    repetition: jax.Array | None = None
+    frequency: jax.Array | None = None
+    presence: jax.Array | None = None
+    counts: jax.Array | None = None
+    seen: jax.Array | None = None
+
+    @property
+    def tracks(self) -> bool:
+        """Whether some penalty reads the token state (so `commit` must update it)."""
+        return any(x is not None for x in (self.repetition, self.frequency, self.presence))
+
+    def off(self, bias: bool = False, penalties: bool = False) -> Penalties:
+        """Self with the bias and / or the penalties dropped (Python flags: None fields)."""
+        out = self
+        if bias:
+            out = out.replace(bias=None)
+        if penalties:
+            out = out.replace(repetition=None, frequency=None, presence=None)
+        return out
+
+    def commit(self, tokens: jax.Array, mask: jax.Array | None = None) -> Penalties:
+        """The state after committing `tokens` [..., n] int32 (where `mask` [..., n] is True):
+        counts + 1 and seen for each. A no-op when no penalty reads the state."""
+        if not self.tracks or self.counts is None:
+            return self
+        v = self.counts.shape[-1]
+        hot = jax.nn.one_hot(tokens, v, dtype=jnp.int32)
+        if mask is not None:
+            hot = hot * mask[..., None].astype(jnp.int32)
+        added = jnp.sum(hot, axis=-2)
+        return self.replace(counts=self.counts + added, seen=self.seen | (added > 0))
+
+
+def token_state(prompts: jax.Array, lengths: jax.Array, vocab: int) -> tuple[jax.Array, jax.Array]:
+    """Initial (counts [B, V] int32 zeros, seen [B, V] bool) for prompts [B, P] of `lengths` [B]."""
+    b, p = prompts.shape
+    valid = jnp.arange(p)[None, :] < lengths[:, None]
+    seen = jnp.zeros((b, vocab), bool)
+    seen = jax.vmap(lambda row, t, m: row.at[t].max(m))(seen, prompts, valid)
+    return jnp.zeros((b, vocab), jnp.int32), seen
+
+
+def adjust(logits: jax.Array, pen: Penalties | None, extra_counts: jax.Array | None = None) -> jax.Array:
+    """float32 logits [..., V] after logit_bias, the repetition penalty and the frequency /
+    presence penalties of `pen` (its rows broadcast against the leading axes of `logits`).
+
+    extra_counts [..., V] int32: tokens committed beyond ``pen.counts`` (a speculative round's
+    earlier drafts at each position), counted as generated and seen. None fields cost nothing.
+    """
+    x = logits.astype(jnp.float32)
+    if pen is None:
+        return x
+    lead = x.ndim - 1
+
+    def row(a):  # [...] settings against x's leading axes
+        a = jnp.asarray(a, jnp.float32)
+        return a.reshape(a.shape + (1,) * (lead - a.ndim + 1))
+
+    def vec(a):  # [..., V] per-row vectors against x's leading axes
+        return a.reshape(a.shape[:-1] + (1,) * (x.ndim - a.ndim) + a.shape[-1:])
+
+    if pen.bias is not None:
+        x = x + vec(pen.bias.astype(jnp.float32))
+    if not pen.tracks:
+        return x
+    counts = vec(pen.counts)
+    seen = vec(pen.seen)
+    if extra_counts is not None:
+        counts = counts + extra_counts
+        seen = seen | (extra_counts > 0)
+    if pen.repetition is not None:
+        r = row(pen.repetition)
+        x = jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)
+    if pen.frequency is not None:
+        x = x - counts.astype(jnp.float32) * row(pen.frequency)
+    if pen.presence is not None:
+        x = x - (counts > 0).astype(jnp.float32) * row(pen.presence)
+    return x
+
+
+def _transform(logits: jax.Array, temperature, top_k, top_p, min_p=None) -> tuple[jax.Array, jax.Array]:
     """(scaled logits with removed tokens at -inf [..., V] float32, greedy [..., 1] bool)."""
     logits = logits.astype(jnp.float32)
     temperature = jnp.asarray(temperature, jnp.float32)
@@ -74,15 +185,21 @@ def _transform(logits: jax.Array, temperature, top_k, top_p) -> tuple[jax.Array,
         scaled = jax.lax.cond(jnp.any(k > 0), keep_top_k, lambda x: x, scaled)
     if not skip_top_p:
         scaled = jax.lax.cond(jnp.any(top_p < 1.0), keep_nucleus, lambda x: x, scaled)
+    if not (min_p is None or static_off(min_p, lambda x: x <= 0)):
+        # after top-k / top-p, as transformers' MinPLogitsWarper: p >= min_p * p_max
+        probs = jax.nn.softmax(scaled, axis=-1)
+        floor = jnp.expand_dims(jnp.asarray(min_p, jnp.float32), -1) * jnp.max(probs, axis=-1, keepdims=True)
+        scaled = jnp.where(probs >= floor, scaled, NEG_INF)
     return scaled, greedy
 
 
 def log_probs(logits: jax.Array, temperature: jax.Array | float = 1.0, top_k: jax.Array | int = 0,
-              top_p: jax.Array | float | None = 1.0) -> jax.Array:
-    """Normalised float32 log-probabilities after temperature, then top-k, then top-p.
+              top_p: jax.Array | float | None = 1.0, min_p: jax.Array | float | None = None) -> jax.Array:
+    """Normalised float32 log-probabilities after temperature, then top-k, top-p and min-p.
 
-    logits: [..., V]; each setting is a scalar or one value per row [...]. temperature 0 gives the one-hot argmax distribution (greedy); top_k 0
-    and top_p 1 disable those filters. Settings may be traced scalars (no recompilation when
+    logits: [..., V]; each setting is a scalar or one value per row [...]. temperature 0 gives
+    the one-hot argmax distribution (greedy); top_k 0, top_p 1 and min_p 0 (or None) disable
+    those filters. Settings may be traced scalars (no recompilation when
     they change). Removed tokens get -inf.
 
     A filter that is off by a Python value (``top_k=0``, ``top_p=None`` or a Python number
@@ -90,7 +207,7 @@ def log_probs(logits: jax.Array, temperature: jax.Array | float = 1.0, top_k: ja
     ``lax.cond`` -- which ``vmap`` turns into a select that always sorts when the setting is
     batched, so per-slot engines pass Python values when no slot filters.
     """
-    scaled, greedy = _transform(logits, temperature, top_k, top_p)
+    scaled, greedy = _transform(logits, temperature, top_k, top_p, min_p)
     out = jax.nn.log_softmax(scaled, axis=-1)
     v = logits.shape[-1]
 
@@ -121,8 +238,31 @@ def running_sum(w: jax.Array, block: int = 32) -> jax.Array:
     return (inner + start[..., None]).reshape(w.shape[:-2] + (nb * block,))[..., :v]
 
 
+def reported_log_probs(logits: jax.Array, temperature: jax.Array | float = 1.0, top_k: jax.Array | int = 0,
+                       top_p: jax.Array | float | None = 1.0, min_p: jax.Array | float | None = None) -> jax.Array:
+    """The log-probabilities an API reports for tokens drawn from `log_probs`' distribution:
+    that distribution, except at temperature 0 (greedy, one-hot), where it is the softmax of
+    `logits` (the distribution whose argmax was taken). logits: [..., V] after `adjust`."""
+    out = log_probs(logits, temperature, top_k, top_p, min_p)
+    if static_off(temperature, lambda t: t > 0):
+        return out
+    greedy = (jnp.asarray(temperature, jnp.float32) <= 0)[..., None]
+    return jnp.where(greedy, jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), out)
+
+
+def top_log_probs(lp: jax.Array, tokens: jax.Array, n: int) -> jax.Array:
+    """The token's log-prob and the `n` most probable tokens: float32 [..., 1 + 2n] =
+    (lp[token], the n ids as float32, their n log-probs, most probable first).
+
+    lp [..., V]; tokens [...] int32. Ids are exact in float32 below 2**24 (vocabularies are)."""
+    chosen = jnp.take_along_axis(lp, tokens[..., None].astype(jnp.int32), axis=-1)
+    vals, ids = jax.lax.top_k(lp, n)
+    return jnp.concatenate([chosen, ids.astype(jnp.float32), vals], axis=-1)
+
+
 def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array | float = 1.0,
-           top_k: jax.Array | int = 0, top_p: jax.Array | float | None = 1.0) -> jax.Array:
+           top_k: jax.Array | int = 0, top_p: jax.Array | float | None = 1.0,
+           min_p: jax.Array | float | None = None) -> jax.Array:
     """One token per row: logits [..., V] -> int32 [...], drawn from `log_probs`' distribution.
     Greedy at temperature 0 (settings as in `log_probs`).
 
@@ -132,7 +272,7 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array | float = 1
     Each token's probability is exact up to float32 resolution (about 2**-23 of the row's mass,
     the uniform's own grid); a removed token (probability 0) is never drawn.
     """
-    scaled, greedy = _transform(logits, temperature, top_k, top_p)
+    scaled, greedy = _transform(logits, temperature, top_k, top_p, min_p)
     top = jnp.max(scaled, axis=-1, keepdims=True)
     # Greedy rows use the same search: weight 1 on the maxima and r = 0 pick the first maximum,
     # as argmax would, without a second (variadic, slow on CPU) reduce.
