@@ -701,9 +701,11 @@ def build_models(workdir: str | None, generators: list[str], *, model_name: str 
     policy: "fcfs", "sjf" (shortest predicted DWS cost first, with `aging` cost-seconds per
     second waited; needs `cost_fn`, e.g. `relf_jax.dws.predictor.WorkloadCost`) or "priority"
     (the request's ``priority`` field, aging in levels per second). ``mock=True`` serves the
-    model-free `MockEngine` (no checkpoint needed). overlap: `Batcher`'s (the next engine step
-    starts before the host work on the last one; None: the engine's default, on for the AR and
-    speculative engines).
+    model-free `MockEngine` (no checkpoint needed). `workdir` may be a HuggingFace folder (read in
+    place, `relf_jax.workflows.load_model`). template: None serves the checkpoint's own chat
+    template (`ChatTemplate.for_tokenizer`; the markers for a model without one). overlap:
+    `Batcher`'s (the next engine step starts before the host work on the last one; None: the
+    engine's default, on for the AR and speculative engines).
     """
     import os
 
@@ -730,7 +732,7 @@ def build_models(workdir: str | None, generators: list[str], *, model_name: str 
             gen = "mock"
         else:
             if not workdir:
-                raise UserError("serve needs --workdir (a trained run directory) or --mock")
+                raise UserError("serve needs --model (a HuggingFace folder or a run directory), --workdir or --mock")
             engine = load_engine(workdir, gen, slots=slots, **engine_kw)
         if warmup:  # compile every program the engine can run while serving (`Engine.warmup`)
             t0 = time.perf_counter()
@@ -745,6 +747,7 @@ def build_models(workdir: str | None, generators: list[str], *, model_name: str 
         if gen == "relf":
             settings["nfe"] = engine.flow_settings.nfe
         batcher = Batcher(engine, pol, max_queue=max_queue, cost_fn=cost_fn, overlap=overlap).start()
-        served.append(ServedEngine(engine=engine, batcher=batcher, template=template or ChatTemplate(),
+        served.append(ServedEngine(engine=engine, batcher=batcher,
+                                   template=template or ChatTemplate.for_tokenizer(engine.tokenizer),
                                    generator=gen, settings=settings))
     return {name: served}
