@@ -44,6 +44,15 @@ class ModelConfig:
     mlp_dim: int = 384
     max_seq_len: int = 256
     rope_theta: float = 10000.0
+    # rope scaling (HuggingFace's rope_type; see relf_jax.models.layers.Rope): "none", "linear"
+    # (rope_factor), "llama3" (rope_factor, rope_low/high_freq_factor, rope_original_max_len: the
+    # pre-training context) or "dynamic" (NTK; rope_factor; rope_original_max_len: HF's
+    # max_position_embeddings, past which the base grows with the sequence length)
+    rope_scaling: Literal["none", "linear", "dynamic", "llama3"] = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 0
     norm_eps: float = 1e-6
     tie_embeddings: bool = True
     # relf_jax's own convention: input embeddings times sqrt(d_model), tied logits times
@@ -76,6 +85,24 @@ class ModelConfig:
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.d_model // self.num_heads
 
+    def check_rope(self) -> None:
+        """Raise `ConfigError` for unusable rope settings (called by `Config.validate` and on HF import)."""
+        _check(self.rope_theta > 0, f"model.rope_theta must be > 0, got {self.rope_theta}")
+        if self.rope_scaling == "none":
+            return
+        what = f"model.rope_scaling={self.rope_scaling}"
+        _check(self.rope_factor >= 1.0, f"{what} needs model.rope_factor >= 1, got {self.rope_factor}")
+        if self.rope_scaling in ("llama3", "dynamic"):
+            _check(self.rope_original_max_len > 0,
+                   f"{what} needs model.rope_original_max_len > 0 (the pre-training context length)")
+        if self.rope_scaling == "llama3":
+            _check(self.rope_low_freq_factor > 0, f"{what} needs model.rope_low_freq_factor > 0")
+            _check(self.rope_high_freq_factor > self.rope_low_freq_factor,
+                   f"{what} needs model.rope_high_freq_factor > model.rope_low_freq_factor, got "
+                   f"{self.rope_high_freq_factor} and {self.rope_low_freq_factor}")
+        if self.rope_scaling == "dynamic":
+            _check(self.resolved_head_dim > 2, f"{what} needs a head width > 2")
+
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
@@ -89,9 +116,10 @@ class DataConfig:
     topics: str = ""  # synthetic_chat topic subset, e.g. "0,1,2"; empty: all
     seq_len: int = 128
     # "packed": documents concatenated and cut into rows (AR training); "documents": one
-    # document per row, BOS..EOS then pad ids (whole-sequence generators: ReLF); "auto": the
-    # model family's choice.
-    rows: Literal["auto", "packed", "documents"] = "auto"
+    # document per row, BOS..EOS then pad ids (the loss sees the pad tail too); "segments": several
+    # whole documents per row with segment ids, pad only at the row's end and outside the loss
+    # (whole-sequence families: ReLF; see relf_jax.data.pipeline); "auto": the model family's choice.
+    rows: Literal["auto", "packed", "documents", "segments"] = "auto"
     vocab_size: int = 1024  # tokenizer size
     tokenizer_type: Literal["bpe", "unigram"] = "bpe"
 
@@ -129,6 +157,10 @@ class SampleConfig:
     seed: int = 0
     prompt: str = ""
     threshold: float = 0.95  # block diffusion: commit masked positions whose top probability exceeds it
+    # block diffusion: a position's confidence is its top probability ("max": where to commit is
+    # chosen from the distributions alone) or the sampled token's probability ("sampled", the old
+    # rule, which skews samples to frequent tokens; docs/block_diffusion.md)
+    confidence: Literal["max", "sampled"] = "max"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +258,7 @@ class Config:
                f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads} (or set model.head_dim)")
         _check(m.resolved_head_dim % 2 == 0, "the head dimension must be even (RoPE rotates pairs)")
         _check(m.block_size >= 1 and m.max_blocks >= 1, "model.block_size and model.max_blocks must be >= 1")
+        m.check_rope()
         _check(d.seq_len >= 2, "data.seq_len must be >= 2")
         _check(d.seq_len <= m.max_seq_len,
                f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")

@@ -333,3 +333,59 @@ def test_more_hosts_than_documents_raises(tmp_path, data_dir, tok):
     b = sources.prepare("text_files", data_dir, path=str(path))
     with pytest.raises(DataError, match="host 1 gets none"):
         _iterator(b, tok, process_index=1, process_count=2)
+
+
+def _segment_docs(batches):
+    """The documents of segment rows, in order: each (row, segment id) run of text."""
+    out = []
+    for b in batches:
+        for tokens, seg in zip(b["tokens"], b["segment_ids"]):
+            for s in range(1, int(seg.max()) + 1):
+                out.append(tokens[seg == s].tolist())
+    return out
+
+
+def test_segment_rows_pack_whole_documents_with_segment_ids(builder, tok):
+    L = 24  # some documents are longer than a row, many fit two to a row
+    docs = _docs(builder, tok, "train")
+    assert any(len(d) > L for d in docs) and sum(len(d) <= L // 2 for d in docs) > 2
+    batches = pipeline.eval_batches(builder, "train", tok, seq_len=L, batch_size=3, max_batches=1000,
+                                    rows="segments")
+    pieces = []
+    for d in docs:  # a document longer than a row is cut into full-row pieces
+        pieces += [d[i:i + L] for i in range(0, len(d), L)]
+    assert _segment_docs(batches) == pieces  # every token once, in order, whole documents
+    rows = [r for b in batches for r in zip(b["tokens"], b["segment_ids"], b["positions"])]
+    assert max(int(seg.max()) for _, seg, _ in rows) >= 2  # several documents share a row
+    for tokens, seg, pos in rows:
+        assert tokens.shape == seg.shape == pos.shape == (L + 1,)
+        assert seg[-1] == 0  # the last column is always pad: tokens[:, :-1] holds all the text
+        text = seg != 0
+        n = int(text.sum())
+        assert text[:n].all() and not text[n:].any()  # text first, then pad
+        assert (tokens[~text] == tok.pad_id).all() and (pos[~text] == 0).all()
+        starts = np.flatnonzero(np.diff(seg[:n], prepend=0))
+        np.testing.assert_array_equal(pos[:n], np.arange(n) - np.repeat(starts, np.diff(np.append(starts, n))))
+    seg = batches[0]["segment_ids"]
+    np.testing.assert_array_equal(np.where(seg != 0, np.asarray(pipeline.segment_positions(seg)), 0),
+                                  batches[0]["positions"])
+
+
+def test_segment_rows_resume_at_every_row():
+    docs = [np.arange(100 * i, 100 * i + n, dtype=np.int32) for i, n in enumerate([3, 16, 1, 7, 20, 2, 8, 5])]
+    rows = pipeline.SegmentRows(grain.MapDataset.source(docs).to_iter_dataset(), 8, pad_id=-1)
+    want = list(rows)
+    stream = [t for r in want for t in r["tokens"][r["segment_ids"] != 0]]
+    assert stream == [t for d in docs for t in d]
+    assert [int(r["segment_ids"].max()) for r in want] == [1, 1, 1, 2, 1, 1, 2, 1, 1]
+    for k in range(len(want) + 1):
+        it = iter(rows)
+        for _ in range(k):
+            next(it)
+        fresh = iter(rows)
+        fresh.set_state(json.loads(json.dumps(it.get_state())))
+        got = list(fresh)
+        assert len(got) == len(want) - k
+        for w, g in zip(want[k:], got, strict=True):
+            np.testing.assert_array_equal(w["tokens"], g["tokens"])
+            np.testing.assert_array_equal(w["segment_ids"], g["segment_ids"])

@@ -327,3 +327,52 @@ def test_a_reflow_round_is_reused_only_under_its_own_settings(tmp_path):
     # a round whose settings were never written cannot be told apart: refused
     with pytest.raises(UserError, match="unknown settings.*another --name"):
         workflows._check_round_settings(str(tmp_path / "old"), {"round": 1}, spec, "relf_reflow")
+
+
+def _generic(model):
+    """Non-zero modulation and output head: a generic network rather than a fresh one."""
+    blocks = [*model.blocks, *(model.blocks_bwd if model.blind_spot else [])]
+    for i, block in enumerate(blocks):
+        block.modulation[...] = 0.1 * jax.random.normal(jax.random.key(40 + i), block.modulation.shape)
+    model.out[...] = 0.1 * jax.random.normal(jax.random.key(5), model.out.shape)
+    return model
+
+
+@pytest.mark.parametrize("blind_spot", [False, True])
+def test_packed_segments_never_attend_across(blind_spot):
+    cfg = dataclasses.replace(_cfg().model, vocab_size=61, flow_blind_spot=blind_spot)
+    g, p = nnx.split(_generic(build_model(cfg, nnx.Rngs(0))))
+    seg = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1, 1, 1]], jnp.int32)
+    z = jax.random.normal(jax.random.key(3), (2, 8, 8))
+    sc = jax.random.normal(jax.random.key(6), (2, 8, 8))
+    t = jnp.asarray([0.4, 0.4])
+    moved_z = z.at[0, 3:].add(1.0)  # segment 2 (and the pad) of row 0
+    fn = jax.jit(lambda p, z, sc, s: nnx.merge(g, p)(z, sc, t, None, s))
+    f, moved = fn(p, z, sc, seg), fn(p, moved_z, sc.at[0, 3:].add(1.0), seg)
+    assert float(jnp.abs(moved[0, :3] - f[0, :3]).max()) == 0.0  # segment 1 never sees segment 2
+    assert float(jnp.abs(moved[0, 3:7] - f[0, 3:7]).max()) > 1e-4
+    # a segment computes what it would alone in its own row, from position 0 (positions restart)
+    alone = fn(p, jnp.pad(z[:1, 3:7], ((0, 0), (0, 4), (0, 0))), jnp.pad(sc[:1, 3:7], ((0, 0), (0, 4), (0, 0))),
+               jnp.asarray([[1, 1, 1, 1, 0, 0, 0, 0]], jnp.int32))
+    np.testing.assert_allclose(alone[0, :4], f[0, 3:7], atol=1e-5)
+    # no segment ids: one segment, as before
+    np.testing.assert_allclose(fn(p, z, sc, None)[1], f[1], atol=1e-6)
+
+
+def test_flow_loss_on_packed_rows_is_spent_on_text_only():
+    cfg = dataclasses.replace(_cfg().model, vocab_size=61, flow_blind_spot=True)
+    g, p = nnx.split(_generic(build_model(cfg, nnx.Rngs(0))))
+    frozen = {"embeddings": jnp.asarray(gaussian_embeddings(61, 8, seed=1))}
+    tokens = jax.random.randint(jax.random.key(1), (2, 13), 3, 61)
+    seg = jnp.asarray([[1] * 5 + [2] * 4 + [0] * 4, [1] * 12 + [0]], jnp.int32)
+    loss_fn = make_flow_loss(FlowLossSettings(context_loss=True))
+
+    def run(tok):
+        return jax.jit(lambda p: loss_fn(nnx.merge(g, p), {"tokens": tok, "segment_ids": seg}, jax.random.key(0),
+                                         frozen))(p)
+
+    loss, m = run(tokens)
+    assert float(m["tokens"]) == 5 + 4 + 12  # the text positions, no pad
+    other_pad = tokens.at[0, 9:].set(7).at[1, 12].set(9)  # the pad positions' ids do not matter
+    np.testing.assert_allclose(float(run(other_pad)[0]), float(loss), rtol=1e-6)
+    assert abs(float(run(tokens.at[0, 6].set(8))[0]) - float(loss)) > 1e-5  # a text token does

@@ -21,6 +21,25 @@ With ``rows="documents"`` each row is one document instead: ``[bos, *ids, eos]``
 ``seq_len + 1`` tokens and filled up with the pad id, every position (the pad tail included)
 in segment 1, so a whole-sequence generator (ReLF) learns where its text ends.
 
+With ``rows="segments"`` (`SegmentRows`, for whole-sequence families: ReLF, block diffusion)
+each row holds several *whole* documents back to back, so the loss is spent on text, not pad.
+The contract, for a batch ``{"tokens", "segment_ids", "positions"}`` int32 ``[B, seq_len + 1]``:
+
+- the first ``seq_len`` positions of a row hold documents ``[bos, *ids, eos]`` in order, each
+  whole (a document never continues into the next row), numbered 1, 2, ... in
+  ``segment_ids``; ``positions`` restart at 0 in each document;
+- the rest of the row is padding: token ``pad_id``, segment id 0, position 0. The last column
+  (index ``seq_len``) is always padding, so a model that reads ``tokens[:, :-1]`` (the
+  whole-sequence losses do) sees every text token;
+- a document longer than ``seq_len`` is cut into pieces of ``seq_len`` tokens, each filling a
+  row of its own (segment 1); the last piece packs like a document;
+- over one pass every token of every document appears exactly once, in order.
+
+A model honours the contract by attending only within equal, non-zero segment ids (pad
+queries see nothing that matters: their outputs carry no loss) and by taking the loss where
+``segment_ids[:, :-1] != 0``; at sampling time one segment per row, of a length drawn from the
+training documents' lengths, reproduces the training layout (`relf_jax.workflows`).
+
 The iterator is a grain ``DatasetIterator``: ``get_state()`` is a small JSON-safe dict
 and ``set_state`` on a freshly built iterator resumes exactly. Packing is our own
 ``PackedRows`` rather than ``grain.experimental.ConcatThenSplitIterDataset`` because in
@@ -170,7 +189,92 @@ class _DocumentRow(grain.transforms.Map):
         return {"tokens": tokens, "segment_ids": np.ones(n, np.int32), "positions": np.arange(n, dtype=np.int32)}
 
 
-ROW_MODES = ("packed", "documents")
+class _SegmentRowsIterator(grain.DatasetIterator):
+    """Packs whole documents into rows of ``text_len`` tokens (+ pad up to ``row_len``).
+
+    State, as in `_PackedRowsIterator`: the parent's state just before the document the next
+    row starts in, and how many of that document's tokens are already emitted.
+    """
+
+    def __init__(self, parent: grain.DatasetIterator, text_len: int, row_len: int, pad_id: int):
+        super().__init__(parent)
+        self._text_len, self._row_len, self._pad_id = text_len, row_len, pad_id
+        self._doc: np.ndarray | None = None
+        self._doc_state = parent.get_state()
+        self._offset = 0
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        cap = self._text_len
+        tokens = np.full(self._row_len, self._pad_id, np.int32)
+        segment_ids = np.zeros(self._row_len, np.int32)
+        positions = np.zeros(self._row_len, np.int32)
+        filled = segment = 0
+        while filled < cap:
+            if self._doc is None or self._offset >= len(self._doc):
+                state = self._parent.get_state()
+                try:
+                    doc = next(self._parent)
+                except StopIteration:
+                    break
+                self._doc, self._doc_state, self._offset = doc, state, 0
+                continue
+            rest = len(self._doc) - self._offset
+            if rest > cap - filled and filled > 0:
+                break  # does not fit whole: it starts the next row
+            take = min(rest, cap - filled)  # all of it, or (alone in a row) a full row's piece
+            segment += 1
+            end = filled + take
+            tokens[filled:end] = self._doc[self._offset:self._offset + take]
+            segment_ids[filled:end] = segment
+            positions[filled:end] = np.arange(take, dtype=np.int32)
+            filled, self._offset = end, self._offset + take
+        if filled == 0:
+            raise StopIteration
+        return {"tokens": tokens, "segment_ids": segment_ids, "positions": positions}
+
+    def get_state(self) -> dict[str, Any]:
+        return {"parent": self._doc_state, "offset": self._offset}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parent.set_state(state["parent"])
+        self._doc_state = state["parent"]
+        self._offset = int(state["offset"])
+        self._doc = next(self._parent) if self._offset > 0 else None
+
+
+class SegmentRows(grain.IterDataset):
+    """Whole documents packed into rows for whole-sequence models (module doc: the contract).
+
+    Rows are ``text_len + 1`` long: documents fill the first ``text_len`` positions (segment
+    ids 1, 2, ...), the rest is ``pad_id`` with segment id 0. No token is dropped or repeated.
+    """
+
+    def __init__(self, parent: grain.IterDataset, text_len: int, pad_id: int):
+        super().__init__(parent)
+        if text_len < 1:
+            raise ValueError(f"text_len must be positive, got {text_len}.")
+        self._text_len, self._pad_id = text_len, pad_id
+
+    def __iter__(self) -> _SegmentRowsIterator:
+        return _SegmentRowsIterator(self._parent.__iter__(), self._text_len, self._text_len + 1, self._pad_id)
+
+    def __str__(self) -> str:
+        return f"SegmentRows(text_len={self._text_len})"
+
+
+def segment_positions(segment_ids):
+    """Positions [B, L] int32 counting from 0 within each run of equal segment ids (jnp or np
+    input; jnp output). Pad runs (id 0) count too; nothing reads them."""
+    import jax
+    import jax.numpy as jnp
+
+    seg = jnp.asarray(segment_ids, jnp.int32)
+    idx = jnp.broadcast_to(jnp.arange(seg.shape[-1], dtype=jnp.int32), seg.shape)
+    start = jnp.concatenate([jnp.ones_like(seg[..., :1], bool), seg[..., 1:] != seg[..., :-1]], axis=-1)
+    return idx - jax.lax.cummax(jnp.where(start, idx, 0), axis=seg.ndim - 1)
+
+
+ROW_MODES = ("packed", "documents", "segments")
 
 
 def _rows(docs: grain.MapDataset, tokenizer, seq_len: int, rows: str = "packed") -> grain.IterDataset:
@@ -180,6 +284,8 @@ def _rows(docs: grain.MapDataset, tokenizer, seq_len: int, rows: str = "packed")
         return PackedRows(docs.map(_Tokenize(tokenizer)).to_iter_dataset(), seq_len + 1)
     if rows == "documents":
         return docs.map(_Tokenize(tokenizer)).map(_DocumentRow(seq_len + 1, tokenizer.pad_id)).to_iter_dataset()
+    if rows == "segments":
+        return SegmentRows(docs.map(_Tokenize(tokenizer)).to_iter_dataset(), seq_len, tokenizer.pad_id)
     raise ValueError(f"rows must be one of {ROW_MODES}, got {rows!r}.")
 
 
@@ -197,7 +303,7 @@ def make_iterator(
     process_count: int | None = None,
     rows: str = "packed",
 ) -> grain.DatasetIterator:
-    """This host's batches of rows (``rows``: "packed" or "documents"), int32
+    """This host's batches of rows (``rows``: "packed", "documents" or "segments"), int32
     ``[batch_size, seq_len + 1]`` each.
 
     Deterministic given ``seed``; ``num_epochs=None`` repeats forever (reshuffling every

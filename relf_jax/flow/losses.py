@@ -9,7 +9,8 @@ an argument. For each row of token ids x (the first L tokens of a packed row):
     logits = singular_logits(Z_t, t) + c tanh(f(Z_t, sc, t) / c),
 
 and the loss is the cross-entropy of x under softmax(logits) (methods.md: CE beat MSE), or, for
-the ablation, the squared error of the predicted velocity against E[x] - eps.
+the ablation, the squared error of the predicted velocity against E[x] - eps, at the positions
+with a non-zero segment id; the network attends within segments (`flow_inputs`).
 
 Times per position (``per_position_t`` > 0, our extension): in that share of rows every position
 draws its own t (Z_t, the singular logits and the network's conditioning then use t [B, L]); the
@@ -91,11 +92,13 @@ def sample_times(key: jax.Array, batch: int | tuple[int, ...], distribution: str
     raise ValueError(f"unknown t distribution {distribution!r}")
 
 
-def flow_inputs(batch: dict) -> tuple[jax.Array, jax.Array]:
-    """(token ids [B, L], mask [B, L]) of a packed batch: its first L = seq_len tokens."""
-    tokens = batch["tokens"][:, :-1]
-    mask = (batch["segment_ids"][:, :-1] != 0).astype(jnp.float32)
-    return tokens, mask
+def flow_inputs(batch: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(token ids [B, L], mask [B, L] float32, segment ids [B, L] int32) of a batch: its first
+    L = seq_len positions. The loss covers positions with a non-zero segment id: with
+    ``data.rows="segments"`` (several whole documents per row) that is exactly the text, and the
+    network attends within segments (`relf_jax.data.pipeline`)."""
+    segments = batch["segment_ids"][:, :-1].astype(jnp.int32)
+    return batch["tokens"][:, :-1], (segments != 0).astype(jnp.float32), segments
 
 
 def make_flow_loss(settings: FlowLossSettings):
@@ -103,7 +106,7 @@ def make_flow_loss(settings: FlowLossSettings):
 
     def loss_fn(model, batch, key, frozen):
         embeddings = frozen["embeddings"].astype(jnp.float32)
-        tokens, mask = flow_inputs(batch)
+        tokens, mask, segments = flow_inputs(batch)
         b = tokens.shape[0]
         k_t, k_eps, k_sc, k_prompt = jax.random.split(key, 4)
         t = sample_times(k_t, b, s.t_distribution)
@@ -126,13 +129,14 @@ def make_flow_loss(settings: FlowLossSettings):
         zeros = jnp.zeros_like(z)
         use_sc = jax.random.bernoulli(k_sc, s.self_condition_prob, (b, 1, 1))
         # the self-conditioning guess is the sampler's X1_hat: singular logits included
-        first = jax.lax.stop_gradient(logits_of(model(z, zeros, t, known), s.use_singular))
+        first = jax.lax.stop_gradient(logits_of(model(z, zeros, t, known, segments), s.use_singular))
         sc_guess = posterior_mean(jax.nn.softmax(first, axis=-1), embeddings)
         if known is not None:  # as in prompted sampling: the prompt's X1_hat is the prompt itself
             sc_guess = jnp.where(known[..., None], x1, sc_guess)
         sc_in = jnp.where(use_sc, sc_guess, zeros)
         aux = s.aux_weight > 0
-        f, f_aux = model.logits_and_aux(z, sc_in, t, known) if aux else (model(z, sc_in, t, known), None)
+        f, f_aux = (model.logits_and_aux(z, sc_in, t, known, segments) if aux
+                    else (model(z, sc_in, t, known, segments), None))
         logits = logits_of(f)
         n = jnp.maximum(mask.sum(), 1.0)
 

@@ -42,7 +42,8 @@ from flax import nnx
 
 from relf_jax.config import ModelConfig
 from relf_jax.models.causal_lm import DTYPES
-from relf_jax.models.layers import RMSNorm, SwiGLU, TransformerBlock, bidirectional_mask, causal_mask, make_param
+from relf_jax.data.pipeline import segment_positions
+from relf_jax.models.layers import RMSNorm, SwiGLU, TransformerBlock, causal_mask, make_param
 from relf_jax.sharding import constrain
 
 TIME_FEATURES = 64
@@ -105,33 +106,39 @@ class FlowLM(nnx.Module):
         self.out_aux = (make_param(rngs, jax.nn.initializers.zeros, (d, cfg.vocab_size), ("embed", "vocab"), pdtype)
                         if cfg.flow_aux_head else None)
 
-    def __call__(self, z: jax.Array, sc: jax.Array, t: jax.Array, known: jax.Array | None = None) -> jax.Array:
+    def __call__(self, z: jax.Array, sc: jax.Array, t: jax.Array, known: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
         """Residual logits [B, L, V] (float32) for noisy embeddings z, self-conditioning sc, time t;
         known [B, L] bool flags clean prompt positions (only for a model built with
-        ``flow_prompt_input``)."""
-        return self._head(self._hidden(z, sc, t, known), self.out)
+        ``flow_prompt_input``); segment_ids [B, L] int32 (packed rows, `relf_jax.data.pipeline`):
+        positions attend only within their segment and count from 0 in each (None: one segment)."""
+        return self._head(self._hidden(z, sc, t, known, segment_ids), self.out)
 
-    def logits_and_aux(self, z: jax.Array, sc: jax.Array, t: jax.Array,
-                       known: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    def logits_and_aux(self, z: jax.Array, sc: jax.Array, t: jax.Array, known: jax.Array | None = None,
+                       segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """(residual logits, auxiliary head's logits), both [B, L, V] float32, from one pass
         (only for a model built with ``flow_aux_head``)."""
         if self.out_aux is None:
             raise ValueError("this ReLF model was not built with an auxiliary head (model.flow_aux_head)")
-        h = self._hidden(z, sc, t, known)
+        h = self._hidden(z, sc, t, known, segment_ids)
         return self._head(h, self.out), self._head(h, self.out_aux)
 
     @staticmethod
     def _head(h: jax.Array, w: nnx.Param) -> jax.Array:
         return constrain(h @ w[...].astype(jnp.float32), ("batch", "length", "vocab"))
 
-    def _hidden(self, z, sc, t, known):
+    def _hidden(self, z, sc, t, known, segment_ids=None):
         """Final normed hidden state [B, L, d_model] (float32)."""
         b, length, _ = z.shape
         dt = self.dtype
         if length > self.pos.shape[0]:
             raise ValueError(f"sequence length {length} exceeds model.max_seq_len={self.pos.shape[0]}")
+        if segment_ids is None:
+            segment_ids = jnp.ones((b, length), jnp.int32)
+        segment_ids = jnp.asarray(segment_ids, jnp.int32)
+        positions = segment_positions(segment_ids)
         x = (z.astype(dt) @ self.in_z[...].astype(dt)) + (sc.astype(dt) @ self.in_sc[...].astype(dt))
-        x = x + self.pos[:length].astype(dt)[None]
+        x = x + jnp.take(self.pos[...], positions, axis=0).astype(dt)
         if known is not None:
             if self.in_known is None:
                 raise ValueError("this ReLF model was not built with a prompt input (model.flow_prompt_input)")
@@ -139,26 +146,28 @@ class FlowLM(nnx.Module):
         x = constrain(x, ("batch", "length", "embed"))
         cond = jax.nn.silu(time_features(t) @ self.time_in[...].astype(jnp.float32))
         cond = cond @ self.time_out[...].astype(jnp.float32)
-        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
         if self.blind_spot:
-            return self._blind_spot_hidden(x, positions, cond)
-        mask = bidirectional_mask(jnp.ones((b, length), bool), length)
+            return self._blind_spot_hidden(x, positions, cond, segment_ids)
+        mask = segment_ids[:, :, None] == segment_ids[:, None, :]
         for block in self.blocks:
             x, _ = block(x, positions, mask, cond=cond)
         return self.final_norm(x).astype(jnp.float32)
 
-    def _blind_spot_hidden(self, x, positions, cond):
+    def _blind_spot_hidden(self, x, positions, cond, segment_ids):
         """Hidden state at i from the left stream at i - 1 (inputs 0..i-1) and the right stream at
-        i + 1 (inputs i+1..L-1): position i's own input never reaches it."""
-        fwd_mask = causal_mask(positions, positions)
+        i + 1 (inputs i+1..L-1), both within i's segment: position i's own input never reaches it."""
+        idx = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), segment_ids.shape)
+        fwd_mask = causal_mask(idx, idx, segment_ids, segment_ids)
         bwd_mask = jnp.swapaxes(fwd_mask, 1, 2)
         fwd, bwd = x, x
         for block in self.blocks:
             fwd, _ = block(fwd, positions, fwd_mask, cond=cond)
         for block in self.blocks_bwd:
             bwd, _ = block(bwd, positions, bwd_mask, cond=cond)
-        left = jnp.pad(fwd[:, :-1], ((0, 0), (1, 0), (0, 0)))
-        right = jnp.pad(bwd[:, 1:], ((0, 0), (0, 1), (0, 0)))
+        same_left = jnp.pad(segment_ids[:, 1:] == segment_ids[:, :-1], ((0, 0), (1, 0)))[..., None]
+        same_right = jnp.pad(segment_ids[:, :-1] == segment_ids[:, 1:], ((0, 0), (0, 1)))[..., None]
+        left = jnp.where(same_left, jnp.pad(fwd[:, :-1], ((0, 0), (1, 0), (0, 0))), 0)
+        right = jnp.where(same_right, jnp.pad(bwd[:, 1:], ((0, 0), (0, 1), (0, 0))), 0)
         h = jnp.concatenate([left, right], axis=-1) @ self.combine_in[...].astype(left.dtype)
         h = h + (cond[:, None, :] if cond.ndim == 2 else cond).astype(h.dtype)
         h = h + self.combine_mlp(self.combine_norm(h)).astype(h.dtype)
