@@ -23,6 +23,7 @@ Parses arguments and calls library functions; holds no method. Config overrides 
     relf-jax bench rcsd --out rcsd.json [--quick]
     relf-jax bench dws --out dws.json [--quick]
     relf-jax serve --workdir runs/cpu --generator nsd --generator ar --port 8000
+    relf-jax serve --model path/to/hf_qwen2_instruct --port 8000
     relf-jax bench serve --out serve.json [--quick]
     relf-jax demo --quick
     relf-jax info
@@ -119,7 +120,11 @@ def _parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server: chat/completions (streaming), models, "
                                       "health, metrics; continuous batching over slots")
-    sv.add_argument("--workdir", default=None, help="trained run directory (ar/, draft/, bd/, relf/ inside)")
+    sv.add_argument("--model", default=None, dest="model_path",
+                    help="a HuggingFace Llama/Qwen2 folder (config.json, safetensors, tokenizer; read in place, "
+                         "with its chat template, EOS ids and generation defaults) or a relf_jax run directory")
+    sv.add_argument("--workdir", default=None, help="trained run directory (ar/, draft/, bd/, relf/ inside), or a "
+                                                    "HuggingFace folder as with --model")
     sv.add_argument("--generator", action="append", default=None,
                     choices=["ar", "standard", "nsd", "greedy", "bd", "relf"],
                     help="engine(s) to serve (repeatable; the first is the default; default ar)")
@@ -145,7 +150,9 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-context", type=int, default=None,
                     help="ar / speculative: prompt + reply tokens per slot, below the model's context (default: the "
                          "model's); longer requests are refused")
-    sv.add_argument("--chat-template", default=None, help="a .json marker template or a .jinja template")
+    sv.add_argument("--chat-template", default=None, help="a .json marker template or a .jinja template (default: "
+                                                          "the checkpoint's own template, else the <user>/<assistant> "
+                                                          "markers)")
     sv.add_argument("--mock", action="store_true", help="serve the model-free mock engine (echoes the user)")
     sv.add_argument("--mock-step-ms", type=float, default=0.0, help="mock: simulated model time per step")
     sv.add_argument("--no-lean-routes", action="store_true",
@@ -307,6 +314,7 @@ def _run(args) -> int:
         s = workflows.sample_bd(lm, prompts=getattr(args, "prompt", None), sample_cfg=cfg.sample, warmup=False)
         return _sample_or_eval(args, cfg, lm, s, f"{s.tau:.2f} tokens per forward (denoising steps + refreshes)")
     if args.command == "sample":
+        cfg = _fit_sample_context(lm, args.prompt or [""], cfg)
         if args.stream:
             if cfg.speculative.rule != "none":
                 from relf_jax.config import ConfigError
@@ -335,6 +343,18 @@ def _run(args) -> int:
             workflows.write_json(args.out, out)
         return 0
     raise AssertionError(args.command)
+
+
+def _fit_sample_context(lm, prompts, cfg):
+    """`cfg` with sample.max_new_tokens cut to the context the longest prompt leaves (a note on stderr)."""
+    from relf_jax import workflows
+
+    longest = max(len(workflows.encode_prompt(lm.tokenizer, p)) for p in prompts)
+    extra = cfg.speculative.k + 1 if cfg.speculative.rule != "none" else 0
+    n, note = workflows.fit_new_tokens(longest, cfg.sample.max_new_tokens, lm.model_cfg.max_seq_len, extra)
+    if note:
+        print(f"relf-jax: note: {note}", file=sys.stderr)
+    return dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, max_new_tokens=n))
 
 
 def _sample_or_eval(args, cfg, lm, samples, speed_note: str, extra: dict | None = None) -> int:
@@ -367,8 +387,11 @@ def _serve(args) -> int:
         from relf_jax import workflows
         from relf_jax.dws.predictor import WorkloadCost
         cost_fn = WorkloadCost(workflows.load_model(args.dws_predictor, "dws"), args.dws_cost_model)
+    if args.model_path and args.workdir and args.model_path != args.workdir:
+        from relf_jax.errors import UserError
+        raise UserError("give the model once: --model PATH or --workdir DIR")
     template = ChatTemplate.from_file(args.chat_template) if args.chat_template else None
-    models = build_models(args.workdir, args.generator or ["ar"], model_name=args.model_name, slots=args.slots,
+    models = build_models(args.model_path or args.workdir, args.generator or ["ar"], model_name=args.model_name, slots=args.slots,
                           max_queue=args.max_queue, policy=args.policy, aging=args.aging, template=template,
                           cost_fn=cost_fn, mock=args.mock, mock_step_s=args.mock_step_ms / 1e3, k=args.k,
                           proposer=args.proposer, draft=args.draft, nsd_top_p=args.nsd_top_p, nfe=args.nfe,

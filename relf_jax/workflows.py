@@ -27,6 +27,7 @@ import numpy as np
 from relf_jax.checkpoint import EMBEDDINGS_FILE, Checkpointer, LoadedModel, tokenizer_bytes_from_meta
 from relf_jax.config import Config, ModelConfig, SampleConfig, SpeculativeConfig, validate_sampling
 from relf_jax.data import pipeline, sources
+from relf_jax.data import tokenizer as tokenizer_lib
 from relf_jax.data.tokenizer import Tokenizer, tokenizer_from_bytes, train_tokenizer
 from relf_jax.errors import UserError
 from relf_jax.eval.judges import ExactJudge, ModelJudge
@@ -470,7 +471,16 @@ def latest_meta(model_dir: str) -> dict:
 
 
 def load_model(workdir: str, family: str = "ar") -> LoadedModel:
-    """Restore the newest good `family` checkpoint from ``<workdir>/<family>`` (or `workdir`)."""
+    """Restore the newest good `family` checkpoint from ``<workdir>/<family>`` (or `workdir`).
+
+    A HuggingFace Llama / Qwen2 folder (config.json + safetensors) is read in place as an AR
+    model (`relf_jax.export.hf.from_hf`)."""
+    from relf_jax.export import hf
+
+    if hf.is_hf_dir(workdir) and not os.path.isdir(os.path.join(workdir, family, "checkpoints")):
+        if family != "ar":
+            raise UserError(f"{workdir} is a HuggingFace folder: it holds an AR model, not a {family!r} one")
+        return hf.from_hf(workdir)
     model_dir = os.path.join(workdir, family)
     if not os.path.isdir(os.path.join(model_dir, "checkpoints")):
         model_dir = workdir
@@ -507,8 +517,22 @@ class Samples:
 
 
 def encode_prompt(tok: Tokenizer, prompt: str) -> list[int]:
-    """BOS + the prompt's tokens. An empty prompt starts a fresh conversation."""
-    return [tok.bos_id] + (tok.encode(prompt) if prompt else [])
+    """BOS (when the tokenizer's prompts start with one) + the prompt's tokens
+    (`relf_jax.data.tokenizer.encode_prompt`). An empty prompt starts a fresh conversation."""
+    return tokenizer_lib.encode_prompt(tok, prompt)
+
+
+def fit_new_tokens(prompt_len: int, max_new_tokens: int, max_seq_len: int, extra: int = 0) -> tuple[int, str]:
+    """`max_new_tokens` cut to the context left after a `prompt_len`-token prompt (and `extra`
+    tokens a speculative round may overshoot by), with a one-line note when it was cut ("" when
+    not). A prompt that leaves no room at all is a `UserError`."""
+    room = max_seq_len - prompt_len - extra
+    if room < 1:
+        ar.check_context(prompt_len, max(max_new_tokens, 1) + extra, max_seq_len)
+    if max_new_tokens <= room:
+        return max_new_tokens, ""
+    return room, (f"max_new_tokens {max_new_tokens} -> {room}: the prompt takes {prompt_len} of the model's "
+                  f"{max_seq_len}-token context")
 
 
 def _ar_batch(lm: LoadedModel, sc: SampleConfig):
@@ -572,7 +596,7 @@ def load_draft(lm: LoadedModel, spc: SpeculativeConfig, workdir: Optional[str] =
     """The draft model for speculative decoding: `spc.draft` or ``<workdir>/draft``."""
     path = spc.draft or os.path.join(workdir or lm.cfg.workdir, "draft")
     draft = load_model(path, "ar")
-    if draft.tokenizer.to_bytes() != lm.tokenizer.to_bytes():
+    if not tokenizer_lib.same_tokenization(draft.tokenizer, lm.tokenizer):
         raise UserError(f"the draft in {path} uses another tokenizer than the target")
     return draft
 

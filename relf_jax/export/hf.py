@@ -33,7 +33,7 @@ import glob
 import json
 import os
 import tempfile
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -219,20 +219,108 @@ def hf_tensors_from_params(model_cfg: ModelConfig, flat: dict[str, np.ndarray]) 
 
 # ----------------------------------------------------------------------------- tokenizer
 
-def _token_id(tk, value: Any, fallback: Any) -> Optional[int]:
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
     if isinstance(value, dict):
         value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _id_list(value: Any, what: str) -> list[int]:
+    """An ``*_token_id`` entry: an int, a list of ints, or absent."""
+    if value is None:
+        return []
+    items = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
+        raise UserError(f"{what} must be a token id or a list of ids, got {value!r}")
+    return list(items)
+
+
+def read_chat_templates(path: str, tcfg: dict) -> dict[str, str]:
+    """The folder's chat templates, name -> Jinja source (``"default"``: the one used without tools).
+
+    As transformers reads them: ``chat_template.jinja`` (default) and
+    ``additional_chat_templates/<name>.jinja`` take priority over the ``chat_template`` key of
+    tokenizer_config.json, which is a string (the default) or a list of
+    ``{"name": ..., "template": ...}``; a processor's ``chat_template.json`` is the last resort.
+    """
+    templates: dict[str, str] = {}
+    main = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(main):
+        with open(main, encoding="utf-8") as f:
+            templates["default"] = f.read()
+    for extra in sorted(glob.glob(os.path.join(path, "additional_chat_templates", "*.jinja"))):
+        with open(extra, encoding="utf-8") as f:
+            templates[os.path.basename(extra)[:-len(".jinja")]] = f.read()
+    if templates:
+        return templates
+    value = tcfg.get("chat_template")
+    if value is None and os.path.isfile(os.path.join(path, "chat_template.json")):
+        value = _read_json(os.path.join(path, "chat_template.json")).get("chat_template")
+    if value is None:
+        return {}
     if isinstance(value, str):
-        i = tk.token_to_id(value)
-        if i is not None:
-            return int(i)
-    if isinstance(fallback, list):
-        fallback = fallback[0] if fallback else None
-    return None if fallback is None else int(fallback)
+        return {"default": value}
+    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                       and isinstance(t.get("template"), str) for t in value):
+        return {t["name"]: t["template"] for t in value}
+    raise UserError(f"{path}: chat_template in tokenizer_config.json must be a string or a list of "
+                    "{\"name\": ..., \"template\": ...}")
+
+
+def generation_defaults_from_hf(gen: dict) -> dict:
+    """Sampling defaults from a generation_config.json dict, as transformers' ``generate`` uses them.
+
+    transformers samples only with ``do_sample: true``; otherwise it decodes greedily and
+    ignores temperature / top_p / top_k / min_p. So those four are defaults only when do_sample
+    is true (an OpenAI-style server otherwise keeps its own defaults, T = 1). repetition_penalty
+    applies to greedy decoding too and is always taken. ``top_k: 0`` means no top-k (dropped).
+    """
+    keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    if gen.get("do_sample") is not True:
+        keys = ("repetition_penalty",)
+    out: dict = {}
+    for k in keys:
+        v = gen.get(k)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
+            raise UserError(f"generation_config.json: {k} must be a number, got {v!r}")
+        ok = {"temperature": v >= 0, "top_p": 0 < v <= 1, "top_k": v >= 0 and float(v).is_integer(),
+              "min_p": 0 <= v <= 1, "repetition_penalty": v > 0}[k]
+        if not ok:
+            raise UserError(f"generation_config.json: {k}={v!r} is out of range")
+        if k == "top_k":
+            if int(v) > 0:
+                out[k] = int(v)
+        else:
+            out[k] = float(v)
+    return out
+
+
+def _adds_bos(tk) -> int | None:
+    """The id the tokenizer's post-processor puts before a text, if any (what ``tokenizer(text)``
+    adds and ``add_special_tokens=False`` leaves out)."""
+    bare = tk.encode("a", add_special_tokens=False).ids
+    full = tk.encode("a", add_special_tokens=True).ids
+    if len(full) > len(bare) and full[1:1 + len(bare)] == bare:
+        return int(full[0])
+    return None
 
 
 def tokenizer_from_hf(path: str, hf_cfg: dict) -> HFTokenizer:
-    """The directory's tokenizer (``tokenizer.json``; a ``tokenizer.model`` via transformers)."""
+    """The directory's tokenizer (``tokenizer.json``; a ``tokenizer.model`` via transformers),
+    with the folder's special tokens, EOS ids, chat templates and generation defaults.
+
+    - Special tokens (bos/eos/pad/unk) are those of tokenizer_config.json (or
+      special_tokens_map.json); ids from config.json / generation_config.json fill the gaps.
+    - BOS: prompts start with one (``add_bos``) when tokenizer_config.json's ``add_bos_token``
+      says so, or, without that key, when the tokenizer's post-processor adds it (what
+      ``tokenizer(text)`` does). A model without a bos_token (Qwen2) gets none.
+    - EOS ids: the tokenizer's eos_token, then every ``eos_token_id`` of generation_config.json
+      and config.json (an int or a list), in that order, without repeats.
+    - Chat templates: `read_chat_templates`; generation defaults: `generation_defaults_from_hf`.
+    """
     tok_json = os.path.join(path, "tokenizer.json")
     if os.path.exists(tok_json):
         with open(tok_json, encoding="utf-8") as f:
@@ -253,15 +341,43 @@ def tokenizer_from_hf(path: str, hf_cfg: dict) -> HFTokenizer:
     tcfg = _read_json(tcfg_path) if os.path.exists(tcfg_path) else {}
     gen_path = os.path.join(path, "generation_config.json")
     gen = _read_json(gen_path) if os.path.exists(gen_path) else {}
-    bos = _token_id(tk, tcfg.get("bos_token"), hf_cfg.get("bos_token_id", gen.get("bos_token_id")))
-    eos = _token_id(tk, tcfg.get("eos_token"), hf_cfg.get("eos_token_id", gen.get("eos_token_id")))
-    pad = _token_id(tk, tcfg.get("pad_token"), hf_cfg.get("pad_token_id", gen.get("pad_token_id")))
-    unk = _token_id(tk, tcfg.get("unk_token"), None)
-    if eos is None:
+    stm_path = os.path.join(path, "special_tokens_map.json")
+    stm = _read_json(stm_path) if os.path.exists(stm_path) else {}
+    names = ("bos_token", "eos_token", "pad_token", "unk_token")
+    tokens = {}
+    for name in names:
+        t = _token_text(tcfg[name]) if name in tcfg else _token_text(stm.get(name))
+        if t is not None and tk.token_to_id(t) is not None:
+            tokens[name] = t
+    ids = {n: tk.token_to_id(t) for n, t in tokens.items()}
+
+    def config_id(key: str) -> int | None:
+        found = _id_list(hf_cfg.get(key), f"config.json {key}") or _id_list(gen.get(key), f"generation_config.json {key}")
+        return found[0] if found else None
+
+    eos_ids = list(dict.fromkeys(
+        ([ids["eos_token"]] if "eos_token" in ids else [])
+        + _id_list(gen.get("eos_token_id"), "generation_config.json eos_token_id")
+        + _id_list(hf_cfg.get("eos_token_id"), "config.json eos_token_id")))
+    if not eos_ids:
         raise UserError(f"{path}: no eos token in tokenizer_config.json, config.json or generation_config.json")
-    bos = eos if bos is None else bos  # Qwen2 has no bos: prompts start with <|endoftext|>
-    return HFTokenizer(text, bos_id=bos, eos_id=eos, pad_id=eos if pad is None else pad,
-                       unk_id=-1 if unk is None else unk)
+    added = _adds_bos(tk)
+    bos = ids.get("bos_token")
+    if "add_bos_token" in tcfg and isinstance(tcfg["add_bos_token"], bool):
+        add_bos = tcfg["add_bos_token"] and bos is not None
+    else:
+        add_bos = added is not None and (bos is None or added == bos)
+        if add_bos and bos is None:  # the post-processor's BOS, named nowhere else
+            bos = added
+            tokens["bos_token"] = tk.id_to_token(added)
+    if bos is None:  # no BOS (Qwen2): the config's id, or EOS, for code that needs an id
+        bos = config_id("bos_token_id")
+        bos = eos_ids[0] if bos is None else bos
+    pad = ids.get("pad_token", config_id("pad_token_id"))
+    return HFTokenizer(text, bos_id=bos, eos_id=eos_ids[0], eos_ids=eos_ids, add_bos=add_bos,
+                       pad_id=eos_ids[0] if pad is None else pad, unk_id=ids.get("unk_token", -1),
+                       special_tokens=tokens, chat_templates=read_chat_templates(path, tcfg),
+                       generation_defaults=generation_defaults_from_hf(gen))
 
 
 # Texts the SentencePiece -> tokenizer.json conversion is checked on (plus the caller's).
@@ -316,6 +432,14 @@ def spm_to_tokenizer_json(tok: Tokenizer, check_texts: Sequence[str] = ()) -> st
 
 
 # ----------------------------------------------------------------------------- public API
+
+def is_hf_dir(path: str) -> bool:
+    """Whether `path` is a HuggingFace model folder: config.json and safetensors weights."""
+    path = os.path.expanduser(str(path))
+    return (os.path.isfile(os.path.join(path, "config.json"))
+            and (os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
+                 or bool(glob.glob(os.path.join(path, "*.safetensors")))))
+
 
 def from_hf(path: str, *, mesh=None, param_dtype: str = "float32") -> LoadedModel:
     """Load a local HuggingFace Llama / Qwen2 directory as a relf_jax AR model.
