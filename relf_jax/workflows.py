@@ -103,11 +103,66 @@ EMBEDDING_DOCS = 20_000
 
 
 def row_mode(cfg: Config) -> str:
-    """How training rows are cut (``data.rows``): "auto" is "documents" for ReLF and block
-    diffusion (whole conversations from position 0, so blocks align with positions), else "packed"."""
+    """How training rows are cut (``data.rows``): "auto" is "segments" for ReLF (several whole
+    conversations per row, segment-aware attention, no pad in the loss: the same text tokens per
+    step as AR's packed rows, less the row tails), "documents" for block diffusion (whole
+    conversations from position 0, so blocks align with positions), else "packed"."""
     if cfg.data.rows != "auto":
         return cfg.data.rows
-    return "documents" if cfg.model.family in ("relf", "bd") else "packed"
+    if cfg.model.family == "relf":
+        return "segments"
+    return "documents" if cfg.model.family == "bd" else "packed"
+
+
+LENGTHS_FILE = "flow_lengths.npy"
+
+
+def flow_segment_lengths(cfg: Config, builder, tok: Tokenizer, model_dir: str) -> np.ndarray:
+    """counts [seq_len + 1] int64 of the segment lengths a ReLF model trained on
+    ``data.rows="segments"`` saw (documents ``[bos, *ids, eos]``, long ones cut into rows of
+    ``seq_len`` as `pipeline.SegmentRows` does), from up to 20k training documents: the length
+    prior its sampler draws one segment per row from. Loaded from `model_dir`, or built and saved."""
+    path = os.path.join(model_dir, LENGTHS_FILE)
+    if os.path.exists(path):
+        return np.load(path)
+    cap = cfg.data.seq_len
+    counts = np.zeros(cap + 1, np.int64)
+    for text in itertools.islice(sources.iter_texts(builder, "train"), EMBEDDING_DOCS):
+        n = len(tok.encode(text)) + 2
+        counts[cap] += n // cap
+        counts[n % cap] += n % cap > 0
+    if jax.process_index() == 0:
+        os.makedirs(model_dir, exist_ok=True)
+        np.save(path, counts)
+    return counts
+
+
+def flow_lengths(lm: LoadedModel) -> Optional[np.ndarray]:
+    """The segment-length counts of a ReLF model trained on segment rows (`flow_segment_lengths`),
+    or None for a model trained on whole rows (it samples one segment over the full length)."""
+    if "flow.lengths" in lm.extras:
+        return np.asarray(lm.extras["flow.lengths"])
+    path = os.path.join(lm.model_dir, LENGTHS_FILE) if lm.model_dir else ""
+    return np.load(path) if path and os.path.exists(path) else None
+
+
+def draw_segment_lengths(counts: np.ndarray, rng: np.random.Generator, n: int,
+                         min_len: Sequence[int] | int = 1) -> np.ndarray:
+    """`n` segment lengths [n] int32 drawn from `counts` (index = length), each at least its
+    ``min_len`` (e.g. a prompt's length + 1; a minimum no training segment reached gets the
+    longest length, ``len(counts) - 1``)."""
+    lengths = np.arange(len(counts))
+    out = np.empty(n, np.int32)
+    lows = np.broadcast_to(np.asarray(min_len, np.int64), (n,))
+    for i, low in enumerate(lows):
+        w = np.where(lengths >= max(int(low), 1), counts, 0).astype(np.float64)
+        out[i] = rng.choice(lengths, p=w / w.sum()) if w.sum() > 0 else len(counts) - 1
+    return out
+
+
+def segment_rows(lengths: np.ndarray, length: int) -> np.ndarray:
+    """segment ids [B, length] int32: 1 on the first lengths[b] positions of row b, 0 (pad) after."""
+    return (np.arange(length)[None, :] < np.asarray(lengths)[:, None]).astype(np.int32)
 
 
 def flow_embeddings(cfg: Config, builder, tok: Tokenizer, model_dir: str) -> np.ndarray:
@@ -179,6 +234,8 @@ def train_relf(cfg: Config, *, mesh=None) -> TrainResult:
     table = flow_embeddings(cfg, builder, tok, model_dir)
     d, t = cfg.data, cfg.train
     rows = row_mode(cfg)
+    if rows == "segments":
+        flow_segment_lengths(cfg, builder, tok, model_dir)
     data = pipeline.make_iterator(builder, "train", tok, seq_len=d.seq_len, batch_size=t.batch_size, seed=t.seed,
                                   rows=rows)
     evals = pipeline.eval_batches(builder, "validation", tok, seq_len=d.seq_len, batch_size=t.batch_size,
@@ -188,19 +245,29 @@ def train_relf(cfg: Config, *, mesh=None) -> TrainResult:
                  frozen={"embeddings": jax.numpy.asarray(table)}, extra_meta={"embeddings": EMBEDDINGS_FILE})
 
 
+def segment_residual(model_fn, segment_ids):
+    """The samplers' ``residual_fn(z, t, sc[, known])`` of a network ``model_fn(z, sc, t, known,
+    segment_ids)`` on rows with `segment_ids` [B, L] (None: one segment); guidance's doubled
+    batch gets them twice."""
+    def residual(z, t, sc, known=None):
+        seg = segment_ids
+        if seg is not None and seg.shape[0] != z.shape[0]:
+            seg = jnp.concatenate([seg] * (z.shape[0] // seg.shape[0]))
+        return model_fn(z, sc, t, known, seg)
+    return residual
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings", "batch", "length"))
-def _relf_tokens(graphdef, params, key, table, prompt_tokens=None, prompt_mask=None, *, settings, batch: int,
-                 length: int):
+def _relf_tokens(graphdef, params, key, table, prompt_tokens=None, prompt_mask=None, segment_ids=None, *,
+                 settings, batch: int, length: int):
     """Token ids [batch, length] from the ReLF sampler, conditioned on the positions of
-    `prompt_mask` [batch, length] holding `prompt_tokens` when given; compiled once per settings
-    and shape."""
+    `prompt_mask` [batch, length] holding `prompt_tokens` when given, on rows of `segment_ids`
+    (one segment per row, then pad; None: the whole row); compiled once per settings and shape."""
     from flax import nnx
 
     from relf_jax.flow.samplers import sample as flow_sample
 
-    def residual(z, t, sc, known=None):
-        return nnx.merge(graphdef, params)(z, sc, t, known)
-
+    residual = segment_residual(lambda *a: nnx.merge(graphdef, params)(*a), segment_ids)
     known = None if prompt_mask is None else (prompt_mask, jnp.take(table, prompt_tokens, axis=0))
     out = flow_sample(key, residual, table, settings, batch=batch, length=length, known=known)[0]
     return out if prompt_mask is None else jnp.where(prompt_mask, prompt_tokens, out)
@@ -230,7 +297,9 @@ def sample_relf(lm: "LoadedModel", n: Optional[int] = None, *, prompts: Optional
     conditioned on the prompt's positions (`prompt_mode`: "clean" or "renoise", default
     `flow_prompt_mode(lm)`), and the sample is the reply: what follows the prompt up to the end
     of the turn (EOS or the next ``<user>``, `complete` when one is reached).
-    Sampler settings default to the model's ``cfg.flow``; length to ``data.seq_len``.
+    Sampler settings default to the model's ``cfg.flow``; length to ``data.seq_len``. A model
+    trained on segment rows (`flow_lengths`) writes one segment per row, of a length drawn from
+    its training segments' lengths (with a prompt: longer than the prompt), and pad after it.
     """
     from relf_jax.data.tokenizer import turn_stop_ids
     from relf_jax.flow.samplers import FlowSamplerSettings
@@ -259,27 +328,40 @@ def sample_relf(lm: "LoadedModel", n: Optional[int] = None, *, prompts: Optional
     elif not n:
         raise UserError("sample_relf needs n > 0 or prompts")
 
-    def run(params, key, table, start):
+    counts = flow_lengths(lm)
+    if counts is not None and len(counts) - 1 < length:  # room beyond the training rows: pad up
+        counts = np.pad(counts, (0, length + 1 - len(counts)))
+    counts = None if counts is None else counts[:length + 1]
+    len_rng = np.random.default_rng([seed, 0x5E6])
+
+    def run(params, key, table, start, seg):
         if ids is None:
-            return _relf_tokens(lm.graphdef, params, key, table, settings=settings, batch=bs, length=length)
+            return _relf_tokens(lm.graphdef, params, key, table, segment_ids=seg, settings=settings, batch=bs,
+                                length=length)
         chunk = ids[start:start + bs]
         chunk = chunk + [chunk[0]] * (bs - len(chunk))
         toks = np.full((bs, length), tok.pad_id, np.int32)
         mask = np.zeros((bs, length), bool)
         for i, row in enumerate(chunk):
             toks[i, :len(row)], mask[i, :len(row)] = row, True
-        return _relf_tokens(lm.graphdef, params, key, table, jnp.asarray(toks), jnp.asarray(mask),
+        return _relf_tokens(lm.graphdef, params, key, table, jnp.asarray(toks), jnp.asarray(mask), seg,
                             settings=settings, batch=bs, length=length)
 
     key = jax.random.key(seed)
     rows, seconds = [], 0.0
     for start in range(0, n, bs):
         key, sub = jax.random.split(key)
+        seg = None
+        if counts is not None:
+            low = 1 if ids is None else [len(x) + 1 for x in (ids[start:start + bs] + [ids[start]] * bs)[:bs]]
+            seg = jnp.asarray(segment_rows(draw_segment_lengths(counts, len_rng, bs, low), length))
         if warmup and start == 0:
-            jax.block_until_ready(run(lm.params, sub, table, start))
+            jax.block_until_ready(run(lm.params, sub, table, start, seg))
         t0 = time.perf_counter()
-        out = np.asarray(jax.block_until_ready(run(lm.params, sub, table, start)))
+        out = np.asarray(jax.block_until_ready(run(lm.params, sub, table, start, seg)))
         seconds += time.perf_counter() - t0
+        if seg is not None:
+            out = np.where(np.asarray(seg) != 0, out, tok.pad_id)
         rows.extend(out[: min(bs, n - start)])
     if ids is None:
         return samples_from_rows(tok, rows, seconds=seconds, target_forwards=settings.nfe * len(rows))
@@ -363,23 +445,30 @@ def reflow(workdir: str, rounds: int = 2, *, num_pairs: int = 512, rollout_nfe: 
         table = jax.numpy.asarray(np.load(os.path.join(lm.model_dir, EMBEDDINGS_FILE)))
         os.makedirs(target_dir, exist_ok=True)
         shutil.copy(os.path.join(lm.model_dir, EMBEDDINGS_FILE), os.path.join(target_dir, EMBEDDINGS_FILE))
+        counts, seg = flow_lengths(lm), None
+        if counts is not None:  # segment rows: one segment per pair row, its length from the model's prior
+            np.save(os.path.join(target_dir, LENGTHS_FILE), counts)
+            lens = draw_segment_lengths(counts[:cfg.data.seq_len + 1], np.random.default_rng(1000 + r), num_pairs)
+            seg = segment_rows(lens, cfg.data.seq_len)
         z0, toks = rollout_pairs(lm.graphdef, lm.params, table, jax.random.key(1000 + r), n=num_pairs,
                                  length=cfg.data.seq_len, settings=settings, nfe=rollout_nfe,
-                                 batch=cfg.sample.batch_size)
-        before = measure_straightness(lm.graphdef, lm.params, table, z0, toks, settings=settings)
+                                 batch=cfg.sample.batch_size, segment_ids=seg)
+        before = measure_straightness(lm.graphdef, lm.params, table, z0, toks, settings=settings, segment_ids=seg)
         builder = prepare_data(cfg, root=workdir)  # the run's data (a round's own cfg.workdir is its model dir)
         train_cfg = dataclasses.replace(cfg.train, steps=steps or cfg.train.steps)
         rcfg = dataclasses.replace(cfg, train=train_cfg, workdir=target_dir)
+        rows = row_mode(cfg) if counts is not None or cfg.data.rows != "auto" else "documents"  # older models
         data = pipeline.make_iterator(builder, "train", lm.tokenizer, seq_len=cfg.data.seq_len,
-                                      batch_size=train_cfg.batch_size, seed=train_cfg.seed + r, rows=row_mode(cfg))
+                                      batch_size=train_cfg.batch_size, seed=train_cfg.seed + r, rows=rows)
         loss = losses.setdefault(settings, make_reflow_loss(settings, data_weight, pair_weight))
         res = train(rcfg, lm.model_cfg, loss,
-                    PairBatches(z0, toks, data, batch_size=train_cfg.batch_size, seed=r), workdir=target_dir,
+                    PairBatches(z0, toks, data, batch_size=train_cfg.batch_size, seed=r, segment_ids=seg),
+                    workdir=target_dir,
                     mesh=mesh, tokenizer_bytes=lm.tokenizer.to_bytes(), frozen={"embeddings": table},
                     init_params=lm.params,
                     extra_meta={"embeddings": EMBEDDINGS_FILE, "reflow_round": r, "reflow": spec},
                     step_cache=step_cache)
-        after = measure_straightness(res.graphdef, res.params, table, z0, toks, settings=settings)
+        after = measure_straightness(res.graphdef, res.params, table, z0, toks, settings=settings, segment_ids=seg)
         results.append({"round": r, "straightness_before": before, "straightness_after": after,
                         "model_dir": os.path.abspath(target_dir), "settings": spec})
         source = target_dir

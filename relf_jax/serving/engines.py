@@ -940,6 +940,7 @@ class _FlowSlot:
     prompt_len: jax.Array  # []
     key: jax.Array  # [2] uint32 key data
     active: jax.Array  # [] bool
+    segment_len: jax.Array  # [] the row's one segment (a model trained on segment rows; else L)
 
 
 class ReLFEngine(Engine):
@@ -950,12 +951,14 @@ class ReLFEngine(Engine):
     (``flow.prompt_prob`` > 0) sees the prompt as it is; any other model sees it redrawn on the
     path of its token embeddings (``t * e + (1 - t) * eps``, fresh eps) before every call (see
     `relf_jax.flow.samplers`). `nfe` network calls per reply; temperature and top_p do not apply
-    (the sampler's own noise, seeded per request, makes the choice).
+    (the sampler's own noise, seeded per request, makes the choice). A model trained on segment
+    rows writes one segment of a length drawn (seeded per request) from its training segments'
+    lengths, longer than the prompt (`relf_jax.workflows.flow_lengths`).
     """
 
     def __init__(self, lm, num_slots: int = 8, *, nfe: int | None = None, name: str = "relf"):
         from relf_jax.flow.samplers import FlowSamplerSettings
-        from relf_jax.workflows import flow_table
+        from relf_jax.workflows import flow_lengths, flow_table
 
         if lm.model_cfg.family != "relf":
             raise UserError(f"the ReLF engine needs a 'relf' model, got {lm.model_cfg.family!r}")
@@ -972,6 +975,9 @@ class ReLFEngine(Engine):
         self.max_context = self.length
         self.stop_ids = turn_stop_ids(lm.tokenizer)
         self.tokens_per_step = self.length
+        counts = flow_lengths(lm)
+        self.length_counts = None if counts is None else np.pad(counts, (0, max(0, self.length + 1 - len(counts))))[
+            :self.length + 1]
         self._weights = _Leaves(lm.params)
         self._jit_step = jax.jit(self._step_all, donate_argnums=(1,))
         self._jit_insert = jax.jit(_set_slot, donate_argnums=(0,))
@@ -989,42 +995,52 @@ class ReLFEngine(Engine):
         row[:len(prompt)] = prompt
         return row
 
+    def _segment_len(self, prompt, seed) -> np.int32:
+        from relf_jax.workflows import draw_segment_lengths
+
+        if self.length_counts is None:
+            return np.int32(self.length)
+        rng = np.random.default_rng([seed, 0x5E6])
+        return np.int32(draw_segment_lengths(self.length_counts, rng, 1, len(prompt) + 1)[0])
+
     @staticmethod
-    def _prefix_data(row, prompt_len, seed):
+    def _prefix_data(row, prompt_len, seed, segment_len):
         return _FlowSlot(tokens=row, prompt_len=prompt_len, key=jax.random.key_data(jax.random.key(seed)),
-                         active=jnp.bool_(True))
+                         active=jnp.bool_(True), segment_len=segment_len)
 
     def prefill(self, prompt, params):  # no model call: the whole reply is one step
-        data = self._jit_prefill(self._row(prompt), np.int32(len(prompt)), np.uint32(params.seed))
+        data = self._jit_prefill(self._row(prompt), np.int32(len(prompt)), np.uint32(params.seed),
+                                 self._segment_len(prompt, params.seed))
         return Prefix(data=data, tokens=[], done=False)
 
     def insert(self, prefix, state, slot):
         return self._jit_insert(state, prefix.data, slot)
 
-    def _prefill_into(self, slots, row, prompt_len, seed, slot):
-        return _set_slot(slots, self._prefix_data(row, prompt_len, seed), slot)
+    def _prefill_into(self, slots, row, prompt_len, seed, segment_len, slot):
+        return _set_slot(slots, self._prefix_data(row, prompt_len, seed, segment_len), slot)
 
     def prefill_insert(self, prompt, params, state, slot):
         return (self._jit_prefill_insert(state, self._row(prompt), np.int32(len(prompt)), np.uint32(params.seed),
-                                         slot), Prefix(data=None, tokens=[], done=False))
+                                         self._segment_len(prompt, params.seed), slot),
+                Prefix(data=None, tokens=[], done=False))
 
     def free(self, state, slot, stopped=False):
         return state if stopped else self._jit_free(state, slot)
 
     def _step_all(self, params, slots: _FlowSlot):
         from relf_jax.flow.samplers import sample as flow_sample
+        from relf_jax.workflows import segment_residual
 
         graphdef, table, settings = self.lm.graphdef, self.table, self.flow_settings
         weights = self._weights.tree(params)
 
-        def residual(z, t, sc, known=None):
-            return nnx.merge(graphdef, weights)(z, sc, t, known)
-
         def one(sl: _FlowSlot):
             known = jnp.arange(self.length) < sl.prompt_len
+            inside = jnp.arange(self.length) < sl.segment_len
+            residual = segment_residual(lambda *a: nnx.merge(graphdef, weights)(*a), inside[None].astype(jnp.int32))
             toks, _ = flow_sample(jax.random.wrap_key_data(sl.key), residual, table, settings, batch=1,
                                   length=self.length, known=(known[None], table[sl.tokens][None]))
-            return jnp.where(known, sl.tokens, toks[0])
+            return jnp.where(known, sl.tokens, jnp.where(inside, toks[0], self.tokenizer.pad_id))
 
         out = jax.vmap(one)(slots)
         return slots.replace(active=jnp.zeros_like(slots.active)), out, slots.active
