@@ -49,13 +49,72 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 # ----------------------------------------------------------------------------- config
 
-def _rope_theta(hf: dict) -> float:
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")  # HF rope_type values relf_jax implements
+
+
+def rope_config_from_hf(hf: dict) -> dict:
+    """The `ModelConfig` rope fields (and `max_seq_len`) of a ``config.json`` dict.
+
+    Reads transformers' two spellings: ``rope_scaling`` (with ``rope_theta`` beside it, < 5) and
+    ``rope_parameters`` (>= 5); like transformers, ``rope_scaling`` wins when both are present.
+    rope_type ``default``, ``linear``, ``dynamic`` and ``llama3`` are supported (see
+    `relf_jax.models.layers.Rope`); any other is a `UserError` that names it. A dynamic model's
+    context is ``max_position_embeddings * factor`` (past max_position_embeddings, the base grows).
+    """
     params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise UserError(f"rope scaling {kind!r} is not supported (only plain RoPE); found in config.json")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope = hf.get("rope_scaling") or params
+    if not isinstance(rope, dict) or not isinstance(params, dict):
+        raise UserError("config.json: rope_scaling / rope_parameters must be objects")
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind not in ROPE_TYPES:
+        raise UserError(f"rope scaling {kind!r} (config.json) is not supported; relf_jax implements rope_type "
+                        f"{', '.join(ROPE_TYPES)}")
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise UserError(f"unsupported: partial_rotary_factor={partial} (relf_jax rotates the whole head)")
+    theta = rope.get("rope_theta") or hf.get("rope_theta") or params.get("rope_theta") or 10000.0
+    max_len = int(hf.get("max_position_embeddings", 2048))
+    out = {"rope_theta": float(theta), "max_seq_len": max_len}
+    if kind == "default":
+        return out
+
+    def need(key):
+        if rope.get(key) is None:
+            raise UserError(f"config.json: rope_type {kind!r} needs {key!r} in rope_scaling / rope_parameters")
+        try:
+            return float(rope[key])
+        except (TypeError, ValueError):
+            raise UserError(f"config.json: rope {key!r} must be a number, got {rope[key]!r}") from None
+
+    out.update(rope_scaling=kind, rope_factor=need("factor"))
+    if kind == "llama3":
+        original = hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") or max_len
+        out.update(rope_low_freq_factor=need("low_freq_factor"), rope_high_freq_factor=need("high_freq_factor"),
+                   rope_original_max_len=int(original))
+    elif kind == "dynamic":
+        out.update(rope_original_max_len=max_len, max_seq_len=int(max_len * max(out["rope_factor"], 1.0)))
+    return out
+
+
+def hf_rope_config(model_cfg: ModelConfig) -> dict:
+    """The rope keys of a ``config.json`` for `model_cfg` (inverse of `rope_config_from_hf`):
+    ``max_position_embeddings``, ``rope_theta``, ``rope_parameters`` and, for a scaled rope,
+    ``rope_scaling`` (the same dict: transformers < 5 reads that one)."""
+    m = model_cfg
+    params: dict[str, Any] = {"rope_type": "default" if m.rope_scaling == "none" else m.rope_scaling,
+                              "rope_theta": m.rope_theta}
+    out: dict[str, Any] = {"max_position_embeddings": m.max_seq_len, "rope_theta": m.rope_theta}
+    if m.rope_scaling != "none":
+        params["factor"] = m.rope_factor
+    if m.rope_scaling == "llama3":
+        params.update(low_freq_factor=m.rope_low_freq_factor, high_freq_factor=m.rope_high_freq_factor,
+                      original_max_position_embeddings=m.rope_original_max_len)
+    if m.rope_scaling == "dynamic":
+        out["max_position_embeddings"] = m.rope_original_max_len
+    out["rope_parameters"] = params
+    if m.rope_scaling != "none":
+        out["rope_scaling"] = dict(params)
+    return out
 
 
 def model_config_from_hf(hf: dict, *, param_dtype: str = "float32") -> ModelConfig:
@@ -75,13 +134,15 @@ def model_config_from_hf(hf: dict, *, param_dtype: str = "float32") -> ModelConf
         raise UserError("unsupported: use_sliding_window=true (sliding-window attention)")
     try:
         d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        return ModelConfig(
+        cfg = ModelConfig(
             family="ar", vocab_size=int(hf["vocab_size"]), d_model=d, num_layers=int(hf["num_hidden_layers"]),
             num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(hf.get("head_dim") or d // heads), mlp_dim=int(hf["intermediate_size"]),
-            max_seq_len=int(hf.get("max_position_embeddings", 2048)), rope_theta=_rope_theta(hf),
+            **rope_config_from_hf(hf),
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             embed_scaling=False, qkv_bias=kind == "qwen2", dtype="float32", param_dtype=param_dtype)
+        cfg.check_rope()
+        return cfg
     except KeyError as e:
         raise UserError(f"config.json lacks {e.args[0]!r}") from None
 
@@ -96,10 +157,9 @@ def hf_config_from_model(model_cfg: ModelConfig, *, bos_id: int, eos_id: int, pa
         "intermediate_size": model_cfg.mlp_dim, "num_hidden_layers": model_cfg.num_layers,
         "num_attention_heads": model_cfg.num_heads, "num_key_value_heads": model_cfg.num_kv_heads,
         "head_dim": model_cfg.resolved_head_dim, "hidden_act": "silu",
-        "max_position_embeddings": model_cfg.max_seq_len, "rms_norm_eps": model_cfg.norm_eps,
-        # both spellings: transformers < 5 reads rope_theta, >= 5 reads rope_parameters
-        "rope_theta": model_cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": model_cfg.rope_theta},
+        "rms_norm_eps": model_cfg.norm_eps,
+        # both spellings: transformers < 5 reads rope_theta / rope_scaling, >= 5 rope_parameters
+        **hf_rope_config(model_cfg),
         "tie_word_embeddings": tied, "attention_dropout": 0.0, "initializer_range": 0.02,
         "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id,
         "torch_dtype": "float32", "dtype": "float32", "use_cache": True,

@@ -64,6 +64,17 @@ class CausalLM(nnx.Module):
         int): only the logits at that position of each row, [B, 1, V] (a prefill needs its
         last prompt position only: the output layer runs once per row instead of T times).
         Returns (logits [B, T, V] float32, cache).
+
+        Dynamic (NTK) rope (`relf_jax.models.layers.Rope`): its frequencies depend on a sequence
+        length L, taken as transformers takes it per forward call. Without a cache: each row's
+        ``max(positions) + 1`` (the full-sequence forward: logits equal transformers'). With a
+        cache and `logits_at` (a prefill): ``logits_at + 1``, the prompt's length, whatever the
+        padding (equal to transformers' prefill). With a cache and no `logits_at` (decode steps,
+        speculative verification): each position p is rotated with L = p + 1, which is exactly
+        what transformers' one-token decode steps do, so a speculative round's target
+        distribution equals autoregressive decoding's; keys already in the cache keep the
+        rotation they were written with, as in transformers' cache. (transformers takes the
+        batch's max and keeps its largest L across calls; relf_jax is per row and stateless.)
         """
         b, t = tokens.shape
         if positions is None:
@@ -79,9 +90,18 @@ class CausalLM(nnx.Module):
             s = cache[0][0].shape[2] if attend_len is None else min(attend_len, cache[0][0].shape[2])
             slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
             mask = causal_mask(positions, slots)
+        rope_len = None
+        if self.cfg.rope_scaling == "dynamic":
+            if cache is None:
+                rope_len = jnp.max(positions, axis=1, keepdims=True) + 1
+            elif logits_at is not None:
+                rope_len = logits_at[:, None] + 1
+            else:
+                rope_len = positions + 1
         new_cache = []
         for i, block in enumerate(self.blocks):
-            x, c = block(x, positions, mask, cache=None if cache is None else cache[i], cache_index=cache_index)
+            x, c = block(x, positions, mask, cache=None if cache is None else cache[i], cache_index=cache_index,
+                         rope_len=rope_len)
             new_cache.append(c)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)

@@ -12,6 +12,8 @@ K key/value heads, Dh head width, F MLP width.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Optional
 
 import jax
@@ -50,10 +52,95 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding. x: [B, T, N, Dh], positions: [B, T] (int)."""
-    half = x.shape[-1] // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+ROPE_SCALINGS = ("none", "linear", "dynamic", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """A rotary embedding's frequencies: plain RoPE (theta ** (-2i / Dh)) or one of HuggingFace's
+    scalings, defined as transformers computes them (``modeling_rope_utils``):
+
+    - ``linear``: every inverse frequency divided by `factor` (position interpolation);
+    - ``llama3`` (Llama 3.1 / 3.2): wavelengths 2 pi / f longer than
+      ``original_max_len / low_freq_factor`` divided by `factor`, shorter than
+      ``original_max_len / high_freq_factor`` kept, and in between a blend with weight
+      ``s = (original_max_len / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)``:
+      ``(1 - s) f / factor + s f``;
+    - ``dynamic`` (dynamic NTK): for a sequence of L > original_max_len tokens the base becomes
+      ``theta * (factor L / original_max_len - (factor - 1)) ** (Dh / (Dh - 2))``; up to
+      original_max_len it is plain RoPE. ``original_max_len`` is HF's ``max_position_embeddings``.
+      Which L a forward pass uses: see `CausalLM` (``rope_len``) and `apply_rope`.
+
+    None of the three rescales the attention (transformers' ``attention_factor`` is 1 for them).
+    """
+
+    theta: float = 10000.0
+    scaling: str = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 0
+
+    @classmethod
+    def from_config(cls, cfg) -> "Rope":
+        """The rope of a `relf_jax.config.ModelConfig` (its ``rope_*`` fields)."""
+        return cls(theta=float(cfg.rope_theta), scaling=cfg.rope_scaling, factor=float(cfg.rope_factor),
+                   low_freq_factor=float(cfg.rope_low_freq_factor), high_freq_factor=float(cfg.rope_high_freq_factor),
+                   original_max_len=int(cfg.rope_original_max_len))
+
+    @property
+    def dynamic(self) -> bool:
+        return self.scaling == "dynamic"
+
+
+def rope_inv_freq(rope: Rope | float, dim: int, seq_len: jax.Array | int | None = None) -> jax.Array:
+    """Inverse frequencies (float32) of a `dim`-wide rotary embedding: [dim // 2], or for a
+    dynamic rope with `seq_len` (int array of any shape: the sequence length each entry was
+    computed for) [*seq_len.shape, dim // 2]. `seq_len` None or <= original_max_len: plain RoPE."""
+    if not isinstance(rope, Rope):
+        rope = Rope(theta=float(rope))
+    if rope.scaling not in ROPE_SCALINGS:
+        raise ValueError(f"unknown rope scaling {rope.scaling!r}; choose one of {', '.join(ROPE_SCALINGS)}")
+    exponent = jnp.arange(0, dim, 2, dtype=jnp.float32) / jnp.float32(dim)  # 2i / dim
+    if rope.dynamic and seq_len is not None:
+        if dim <= 2:
+            raise ValueError("dynamic rope scaling needs a head width > 2")
+        orig = jnp.float32(rope.original_max_len)
+        length = jnp.maximum(jnp.asarray(seq_len).astype(jnp.float32), orig)
+        base = jnp.float32(rope.theta) * ((jnp.float32(rope.factor) * length / orig) - jnp.float32(rope.factor - 1.0)
+                                          ) ** jnp.float32(dim / (dim - 2))
+        return 1.0 / (base[..., None] ** exponent)
+    inv = 1.0 / (jnp.float32(rope.theta) ** exponent)
+    if rope.scaling == "linear":
+        inv = inv / jnp.float32(rope.factor)
+    elif rope.scaling == "llama3":
+        factor, low, high = jnp.float32(rope.factor), jnp.float32(rope.low_freq_factor), jnp.float32(rope.high_freq_factor)
+        old = jnp.float32(rope.original_max_len)
+        wavelen = jnp.float32(2 * math.pi) / inv
+        scaled = jnp.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        inv = jnp.where(medium, blended, scaled)
+    return inv
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, rope: Rope | float,
+               seq_len: Optional[jax.Array] = None) -> jax.Array:
+    """Rotary position embedding (rotate-half). x: [B, T, N, Dh], positions: [B, T] (int).
+
+    `rope`: a `Rope` or a plain theta. `seq_len` (dynamic rope only; [B, T] or [B, 1] int): the
+    sequence length whose frequencies each position is rotated with; None: each row's
+    ``max(positions) + 1``, as transformers takes it for a forward pass.
+    """
+    if not isinstance(rope, Rope):
+        rope = Rope(theta=float(rope))
+    if rope.dynamic:
+        if seq_len is None:
+            seq_len = jnp.max(positions, axis=1, keepdims=True) + 1
+        freq = rope_inv_freq(rope, x.shape[-1], seq_len)  # [B, T or 1, half]
+    else:
+        freq = rope_inv_freq(rope, x.shape[-1])
     angle = positions[..., None].astype(jnp.float32) * freq  # [B, T, half]
     sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -85,13 +172,18 @@ def block_causal_mask(q_idx: jax.Array, k_idx: jax.Array, block_size: int) -> ja
 # ----------------------------------------------------------------------------- blocks
 
 class Attention(nnx.Module):
-    """Grouped-query attention with RoPE and an optional fixed-size KV cache."""
+    """Grouped-query attention with RoPE and an optional fixed-size KV cache.
+
+    `rope` (a `Rope`, e.g. ``Rope.from_config(cfg)``) sets the rotary frequencies; without it,
+    plain RoPE with `rope_theta`.
+    """
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-                 rope_theta: float, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
-                 qkv_bias: bool = False):
+                 rope_theta: float = 10000.0, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
+                 qkv_bias: bool = False, rope: Optional[Rope] = None):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.rope_theta, self.dtype = rope_theta, dtype
+        self.rope = rope if rope is not None else Rope(theta=float(rope_theta))
+        self.dtype = dtype
         init = _dense_init(d_model)
         self.wq = make_param(rngs, init, (d_model, num_heads, head_dim), ("embed", "heads", "head_dim"), param_dtype)
         self.wk = make_param(rngs, init, (d_model, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), param_dtype)
@@ -107,8 +199,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array,
                  cache: Optional[tuple[jax.Array, jax.Array]] = None,
-                 cache_index: Optional[jax.Array] = None):
-        """x: [B, T, D]; positions: [B, T]; mask: [B, T, S] (S = T without cache).
+                 cache_index: Optional[jax.Array] = None, rope_len: Optional[jax.Array] = None):
+        """x: [B, T, D]; positions: [B, T]; mask: [B, T, S] (S = T without cache); rope_len: a
+        dynamic rope's sequence length per position (`apply_rope`'s seq_len).
 
         With a cache ([B, K, C, Dh] each), the new keys/values are written at slots
         ``cache_index[b] + arange(T)`` of each row before attending; returns (y, new_cache).
@@ -121,8 +214,8 @@ class Attention(nnx.Module):
         v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
         if self.qkv_bias:
             q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
-        q = apply_rope(q, positions, self.rope_theta)
-        k = jnp.swapaxes(apply_rope(k, positions, self.rope_theta), 1, 2)  # [B, K, T, Dh]
+        q = apply_rope(q, positions, self.rope, rope_len)
+        k = jnp.swapaxes(apply_rope(k, positions, self.rope, rope_len), 1, 2)  # [B, K, T, Dh]
         v = jnp.swapaxes(v, 1, 2)
         if cache is not None:
             write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u.astype(c.dtype), (0, i, 0)))
@@ -191,10 +284,11 @@ class TransformerBlock(nnx.Module):
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, mlp_dim: int, *,
                  rope_theta: float = 10000.0, norm_eps: float = 1e-6, cond_dim: int = 0,
-                 rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32, qkv_bias: bool = False):
+                 rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32, qkv_bias: bool = False,
+                 rope: Optional[Rope] = None):
         self.attn_norm = RMSNorm(d_model, eps=norm_eps, rngs=rngs, param_dtype=param_dtype)
         self.attn = Attention(d_model, num_heads, num_kv_heads, head_dim, rope_theta=rope_theta,
-                              rngs=rngs, dtype=dtype, param_dtype=param_dtype, qkv_bias=qkv_bias)
+                              rngs=rngs, dtype=dtype, param_dtype=param_dtype, qkv_bias=qkv_bias, rope=rope)
         self.mlp_norm = RMSNorm(d_model, eps=norm_eps, rngs=rngs, param_dtype=param_dtype)
         self.mlp = SwiGLU(d_model, mlp_dim, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.cond_dim = cond_dim
@@ -203,7 +297,7 @@ class TransformerBlock(nnx.Module):
                                          (None, None, "embed"), param_dtype)
 
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array, *,
-                 cond: Optional[jax.Array] = None, cache=None, cache_index=None):
+                 cond: Optional[jax.Array] = None, cache=None, cache_index=None, rope_len=None):
         if self.cond_dim:
             if cond is None:
                 raise ValueError("this block was built with cond_dim > 0 and needs `cond`")
@@ -212,12 +306,12 @@ class TransformerBlock(nnx.Module):
             mod = jnp.einsum("blc,cmd->blmd", c, self.modulation[...].astype(jnp.float32))
             shift1, scale1, gate1, shift2, scale2, gate2 = [mod[:, :, i, :] for i in range(6)]
             h = self.attn_norm(x) * (1 + scale1) + shift1
-            a, cache = self.attn(h, positions, mask, cache, cache_index)
+            a, cache = self.attn(h, positions, mask, cache, cache_index, rope_len)
             x = x + ((1 + gate1) * a).astype(x.dtype)
             h = self.mlp_norm(x) * (1 + scale2) + shift2
             x = x + ((1 + gate2) * self.mlp(h)).astype(x.dtype)
         else:
-            a, cache = self.attn(self.attn_norm(x), positions, mask, cache, cache_index)
+            a, cache = self.attn(self.attn_norm(x), positions, mask, cache, cache_index, rope_len)
             x = x + a.astype(x.dtype)
             x = x + self.mlp(self.mlp_norm(x)).astype(x.dtype)
         return constrain(x, ("batch", "length", "embed")), cache
@@ -228,7 +322,7 @@ def decoder_stack(cfg, *, rngs: nnx.Rngs, dtype, param_dtype) -> nnx.List:
     block-diffusion LMs; the mask passed at call time decides causal or block-causal)."""
     return nnx.List([
         TransformerBlock(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim,
-                         rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps, rngs=rngs,
+                         rope=Rope.from_config(cfg), norm_eps=cfg.norm_eps, rngs=rngs,
                          dtype=dtype, param_dtype=param_dtype, qkv_bias=cfg.qkv_bias)
         for _ in range(cfg.num_layers)
     ])
