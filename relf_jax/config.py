@@ -68,10 +68,11 @@ class ModelConfig:
     # relf: a second, singular-free output head on the same trunk, trained with its own CE
     # (set by training with flow.aux_weight > 0; see relf_jax.flow.losses). Sampling ignores it.
     flow_aux_head: bool = False
-    # relf: a blind-spot network (our extension): the residual at position i reads every position
-    # but i, through a left-to-right and a right-to-left stream (see relf_jax.models.flow_lm);
-    # set by training with flow.blind_spot, which trains it as the context classifier p(x_i | Z_{-i})
-    flow_blind_spot: bool = False
+    # relf: a blind-spot network (the default; our construction): the residual at position i reads
+    # every position but i, through a left-to-right and a right-to-left stream (see
+    # relf_jax.models.flow_lm). Training sets it from flow.blind_spot, which trains it as the
+    # context classifier p(x_i | Z_{-i}); False is the paper's plain bidirectional network.
+    flow_blind_spot: bool = True
     block_size: int = 8  # bd: tokens per diffusion block; dws: the block size of the decoder predicted
     max_blocks: int = 16  # dws: output blocks on the workload surface's grid (B_max)
     # dws: "surface" (block head + step head -> S[b, s]) or a scalar baseline on the same encoder
@@ -195,11 +196,13 @@ class FlowConfig:
     # one t per row). Sampling keeps one t per row. Makes reading noisy neighbours pay in training:
     # see relf_jax.flow.losses; measured: README's ReLF section.
     per_position_t: float = 0.0
-    # blind-spot residual (our extension; False: the paper's network and loss). The network reads
-    # every position but its own (model.flow_blind_spot) and is trained as the context classifier
-    # p(x_i | Z_{-i}) with plain CE; sampling adds the singular logits, so the posterior is the
-    # exact product p(Z_i | x_i) p(x_i | Z_{-i}) when the classifier is. See relf_jax.flow.losses.
-    blind_spot: bool = False
+    # The default ReLF reads its context (issue 35): the network reads every position but its own
+    # (model.flow_blind_spot) and is trained as the context classifier p(x_i | Z_{-i}) with plain
+    # CE; sampling adds the singular logits, so the posterior is the exact product
+    # p(Z_i | x_i) p(x_i | Z_{-i}) when the classifier is. See relf_jax.flow.losses and docs/relf.md.
+    # False: the paper's plain parametrisation (bidirectional network, CE under s + c tanh(f / c)),
+    # kept for ablation rows; it stays at the positional prior (`relf-jax bench relf-toy`).
+    blind_spot: bool = True
     nfe: int = 16
     sampler: Literal["euler", "stochastic"] = "euler"
     grid: Literal["uniform", "cosine", "late"] = "uniform"
@@ -282,9 +285,9 @@ class Config:
         _check(fl.aux_weight >= 0, "flow.aux_weight must be >= 0")
         _check(0 <= fl.per_position_t <= 1, "flow.per_position_t must be in [0, 1]")
         _check(fl.window >= 1, "flow.window (the Hellinger co-occurrence window) must be >= 1")
-        _check(not (fl.blind_spot or m.flow_blind_spot) or (m.num_layers >= 2 and m.num_layers % 2 == 0),
-               f"flow.blind_spot splits model.num_layers between two streams: it needs an even number >= 2, "
-               f"got {m.num_layers}")
+        _check(m.family != "relf" or not fl.blind_spot or (m.num_layers >= 2 and m.num_layers % 2 == 0),
+               f"the default ReLF (flow.blind_spot=true) splits model.num_layers between two streams: it needs "
+               f"an even number >= 2, got {m.num_layers} (or set flow.blind_spot=false)")
         sp = self.speculative
         _check(sp.k >= 1, f"speculative.k must be >= 1, got {sp.k}")
         _check(0 < sp.nsd_top_p <= 1, f"speculative.nsd_top_p must be in (0, 1], got {sp.nsd_top_p}")

@@ -478,3 +478,30 @@ def test_settings_validation():
         samplers.FlowSamplerSettings(sampler="heun")
     with pytest.raises(ValueError):
         samplers.FlowSamplerSettings(c=0.0)
+
+
+def test_context_factorisation_times_singular_term_is_the_exact_posterior():
+    """p(x_i | Z) ∝ p(Z_i | x_i) p(x_i | Z_{-i}): the singular logits plus the log of the exact
+    context classifier give the exact posterior of a known two-position joint, at several t."""
+    rng = np.random.default_rng(0)
+    v, d = 5, 3
+    table = jnp.asarray(rng.normal(size=(v, d)), jnp.float32)
+    joint = rng.random((v, v)) ** 3
+    joint /= joint.sum()  # P(x_1, x_2), far from independent
+    for t in (0.2, 0.5, 0.8):
+        x = (1, 3)
+        z = t * table[jnp.asarray(x)] + (1 - t) * jnp.asarray(rng.normal(size=(2, d)), jnp.float32)
+        lik = np.stack([np.exp(-np.sum((np.asarray(z[i]) - t * np.asarray(table)) ** 2, -1) / (2 * (1 - t) ** 2))
+                        for i in range(2)])  # [pos, v] p(Z_i | x_i)
+        exact_1 = (joint * lik[0][:, None] * lik[1][None, :]).sum(1)  # p(x_1 | Z_1, Z_2)
+        exact_2 = (joint * lik[0][:, None] * lik[1][None, :]).sum(0)
+        ctx_1 = (joint * lik[1][None, :]).sum(1)  # p(x_1 | Z_2): the context classifier's answer
+        ctx_2 = (joint * lik[0][:, None]).sum(0)
+        residual = jnp.log(jnp.asarray(np.stack([ctx_1 / ctx_1.sum(), ctx_2 / ctx_2.sum()]), jnp.float32))
+        post = jax.nn.softmax(singular.posterior_logits(z[None], jnp.asarray([t]), table, residual[None], c=None), -1)
+        want = np.stack([exact_1 / exact_1.sum(), exact_2 / exact_2.sum()])
+        np.testing.assert_allclose(np.asarray(post[0]), want, rtol=2e-4, atol=1e-6)
+        # the plain reading (residual = log of the full posterior) counts Z_i twice: not the answer
+        doubled = jax.nn.softmax(singular.posterior_logits(z[None], jnp.asarray([t]), table,
+                                                           jnp.log(jnp.asarray(want, jnp.float32))[None], c=None), -1)
+        assert np.abs(np.asarray(doubled[0]) - want).max() > 1e-3

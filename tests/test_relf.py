@@ -376,3 +376,38 @@ def test_flow_loss_on_packed_rows_is_spent_on_text_only():
     other_pad = tokens.at[0, 9:].set(7).at[1, 12].set(9)  # the pad positions' ids do not matter
     np.testing.assert_allclose(float(run(other_pad)[0]), float(loss), rtol=1e-6)
     assert abs(float(run(tokens.at[0, 6].set(8))[0]) - float(loss)) > 1e-5  # a text token does
+
+
+def test_default_relf_reads_its_context_exactly_by_gradient():
+    """The default network's output at i has zero gradient w.r.t. Z_i and a non-zero one w.r.t.
+    its neighbours (segment-packed row: nothing from the other segment either)."""
+    cfg = make_config("tiny", ["model=relf"]).model
+    assert cfg.flow_blind_spot
+    model = _generic(build_model(dataclasses.replace(cfg, vocab_size=61), nnx.Rngs(0)))
+    g, p = nnx.split(model)
+    z = jax.random.normal(jax.random.key(3), (1, 7, cfg.flow_embed_dim))
+    sc = jnp.zeros_like(z)
+    seg = jnp.asarray([[1, 1, 1, 1, 2, 2, 2]], jnp.int32)
+    f = lambda z: nnx.merge(g, p)(z, sc, jnp.asarray([0.5]), None, seg)[0]  # noqa: E731
+    jac = jax.jit(jax.jacrev(lambda z: f(z).sum(-1)))(z)[:, 0]  # [L (out), L (in), d]
+    size = jnp.abs(jac).sum(-1)  # [out, in]
+    assert float(jnp.diagonal(size).max()) == 0.0  # never its own input
+    same = (seg[0][:, None] == seg[0][None, :]) & ~jnp.eye(7, dtype=bool)
+    assert float(jnp.where(same, size, 0.0).min(where=same, initial=1.0)) > 0  # every neighbour in its segment
+    assert float(jnp.where(seg[0][:, None] != seg[0][None, :], size, 0.0).max()) == 0.0  # nothing across
+
+
+def test_the_default_config_is_the_context_reading_relf():
+    from relf_jax import workflows
+
+    cfg = make_config("cpu", ["model=relf"])
+    assert cfg.flow.blind_spot and cfg.model.flow_blind_spot
+    assert workflows.flow_loss_settings(cfg).context_loss  # trained as p(x_i | Z_{-i})
+    assert workflows.row_mode(cfg) == "segments"  # several whole conversations per row, loss on text
+    plain = make_config("cpu", ["model=relf", "flow.blind_spot=false"])
+    assert not workflows.flow_loss_settings(plain).context_loss
+    # the even-layer rule binds the default ReLF only
+    with pytest.raises(Exception, match="even number"):
+        make_config("cpu", ["model=relf", "model.num_layers=3"])
+    assert make_config("cpu", ["model.num_layers=3"]).model.num_layers == 3
+    assert make_config("cpu", ["model=relf", "model.num_layers=3", "flow.blind_spot=false"])
