@@ -145,7 +145,7 @@ def test_engines_compile_the_top_p_sort_only_while_a_slot_filters():
              (E.SpeculativeEngine(lm, draft, 2, rule="nsd", k=2), lambda eng, st: (lm.params, draft.params, st.slots))]
     for eng, args in cases:
         def sorts(state):
-            step = functools.partial(eng._step_all, nucleus=bool(state.nucleus))
+            step = functools.partial(eng._step_all, features=state.features)
             return " sort[" in str(jax.make_jaxpr(step)(*args(eng, state)))  # the primitive
 
         state = eng.init_state()
@@ -312,3 +312,73 @@ def test_few_busy_slots_step_alone_with_the_same_tokens():
             eng.compact = compact
             outs.append(_run(eng, jobs, steps=6))
         assert outs[0] == outs[1] and all(len(t) > 1 for t in outs[0].values())
+
+
+def _reference_log_probs(lm, prompt, reply, params: E.RequestParams):
+    """Per reply position: the processed log-probs [V] from one forward over prompt + reply
+    (no cache), the processors applied by hand with the counts of the reply so far."""
+    from flax import nnx
+
+    from relf_jax.sampling import processors
+
+    seq = jnp.asarray([list(prompt) + list(reply)], jnp.int32)
+    logits = np.asarray(nnx.merge(lm.graphdef, lm.params)(seq, jnp.arange(seq.shape[1])[None])[0])[0]
+    v = logits.shape[-1]
+    bias = np.zeros(v, np.float32)
+    for t, b in params.logit_bias:
+        bias[t] = b
+    out = []
+    for j in range(len(reply)):
+        counts = np.bincount(np.asarray(reply[:j], int), minlength=v)
+        seen = counts > 0
+        seen[np.asarray(prompt)] = True
+        x = logits[len(prompt) - 1 + j].astype(np.float64) + bias
+        x = np.where(seen, np.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty), x)
+        x = x - counts * params.frequency_penalty - (counts > 0) * params.presence_penalty
+        out.append(np.asarray(processors.reported_log_probs(jnp.asarray(x, jnp.float32), params.temperature,
+                                                            params.top_k, params.top_p, params.min_p)))
+    return out
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_ar_engine_processors_and_log_probs_match_a_full_forward(temperature):
+    """Penalties, bias, top-k, min-p per slot: each emitted token is possible under the processed
+    distribution of a cache-free forward over the reply so far, and the reported log-probs are
+    that distribution's (1e-4), next to a slot that uses none of it."""
+    lm = tiny_lm("ar", 0, max_seq_len=64)
+    eng = E.AREngine(lm, 2)
+    params = E.RequestParams(12, temperature, seed=5, top_k=40, min_p=0.01, repetition_penalty=1.5,
+                             frequency_penalty=0.4, presence_penalty=0.3, logit_bias=((40, 3.0), (41, -100.0)),
+                             logprobs=5)
+    plain = E.RequestParams(12, 1.0, seed=6)
+    state = eng.init_state()
+    state, pre = eng.prefill_insert(PROMPTS[0], params, state, 0)
+    state, _ = eng.prefill_insert(PROMPTS[1], plain, state, 1)
+    toks, lps = list(pre.tokens), list(pre.log_probs)
+    while len(toks) < 10:
+        state, out = eng.generate(state)
+        toks += out.tokens[0]
+        lps += out.log_probs[0]
+        assert len(out.log_probs[1]) == len(out.tokens[1])
+    assert 41 not in toks
+    ref = _reference_log_probs(lm, PROMPTS[0], toks, params)
+    for t, (lp, top), want in zip(toks, lps, ref):
+        assert np.isfinite(want[t]) and lp == pytest.approx(float(want[t]), abs=1e-4)
+        ids = [i for i, _ in top]
+        np.testing.assert_allclose([x for _, x in top][:5], np.sort(want)[::-1][:5], atol=1e-4)
+        assert ids[0] == int(np.argmax(want))
+    if temperature == 0:
+        assert all(t == int(np.argmax(w)) for t, w in zip(toks, ref))
+
+
+def test_engines_refuse_what_they_do_not_implement():
+    eng = E.MockEngine(1)
+    with pytest.raises(UserError, match="logprobs"):
+        eng.check_params(E.RequestParams(4, logprobs=2))
+    lm = tiny_lm("ar", 0, max_seq_len=64)
+    with pytest.raises(UserError, match="outside the vocabulary"):
+        E.AREngine(lm, 1).check_params(E.RequestParams(4, logit_bias=((10_000, 1.0),)))
+    for bad in (dict(min_p=1.5), dict(repetition_penalty=0.0), dict(frequency_penalty=3.0), dict(top_k=-1),
+                dict(logit_bias=((3, 200.0),)), dict(logprobs=21)):
+        with pytest.raises(UserError):
+            E.RequestParams(4, **bad)

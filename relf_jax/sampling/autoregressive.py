@@ -1,8 +1,11 @@
 """Autoregressive sampling: a jitted ``lax.while_loop`` over a typed decode state.
 
 Static settings (shapes, EOS) live on the frozen `DecodeSettings`; sampling knobs
-(temperature, top-k, top-p) are traced scalars in `SamplingParams`, so changing them does not
-recompile. One compilation per (batch, prompt bucket, max_new_tokens).
+(temperature, top-k, top-p, min-p and the `processors.Penalties`: logit bias, repetition /
+frequency / presence penalties) are traced in `SamplingParams`, so changing them does not
+recompile; a knob given as None is left out at trace time. The penalties' token counts live in
+the state (``settings.track_tokens``) and are updated as tokens are committed. One compilation
+per (batch, prompt bucket, max_new_tokens).
 
 Prompts of different lengths share a batch: each row has its own length and positions; the
 KV cache is preallocated for ``prompt_bucket + max_new_tokens`` slots and a query at position
@@ -36,18 +39,64 @@ class DecodeSettings:
     max_new_tokens: int
     eos_id: int
     pad_id: int = 0
+    track_tokens: bool = False  # keep per-row token counts (`DecodeState.counts`) for the penalties
 
 
 @flax.struct.dataclass
 class SamplingParams:
+    """Traced sampling knobs, a scalar or one value per row. min_p and penalties None: off
+    (left out at trace time); penalties' token state (counts, seen) is ignored here: it lives
+    in the `DecodeState`."""
+
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
+    min_p: jax.Array | None = None
+    penalties: processors.Penalties | None = None
 
     @classmethod
-    def make(cls, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> "SamplingParams":
+    def make(cls, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+             repetition_penalty: float = 1.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+             logit_bias: dict[int, float] | None = None, vocab_size: int | None = None) -> "SamplingParams":
+        """Settings for every row; the ones at their off value are left out. `logit_bias` needs
+        `vocab_size` (its dense row is built here)."""
         validate_sampling(temperature, top_k, top_p)
-        return cls(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
+        pen = processors.Penalties()
+        if repetition_penalty != 1.0:
+            pen = pen.replace(repetition=jnp.float32(repetition_penalty))
+        if frequency_penalty:
+            pen = pen.replace(frequency=jnp.float32(frequency_penalty))
+        if presence_penalty:
+            pen = pen.replace(presence=jnp.float32(presence_penalty))
+        if logit_bias:
+            if vocab_size is None:
+                raise UserError("logit_bias needs the vocabulary size")
+            pen = pen.replace(bias=jnp.zeros((vocab_size,), jnp.float32).at[jnp.asarray(list(logit_bias), jnp.int32)]
+                              .set(jnp.asarray(list(logit_bias.values()), jnp.float32)))
+        return cls(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
+                   jnp.float32(min_p) if min_p > 0 else None, pen if pen != processors.Penalties() else None)
+
+    @property
+    def tracks_tokens(self) -> bool:
+        """Whether a penalty reads the committed tokens (the state must count them)."""
+        return self.penalties is not None and self.penalties.tracks
+
+
+def sample_logits(logits: jax.Array, key: jax.Array, sampling: SamplingParams, counts=None, seen=None,
+                  log_probs: int = 0) -> tuple[jax.Array, jax.Array | None]:
+    """(tokens [B], reported log-probs [B, 1 + 2 * log_probs] or None) for the logits [B, V] of
+    one position: `processors.adjust` with the rows' token state, then `processors.sample`.
+    log_probs > 0: also the drawn token's log-probability under the processed distribution and
+    the `log_probs` most probable tokens (`processors.top_log_probs`)."""
+    pen = sampling.penalties
+    if pen is not None and counts is not None:
+        pen = pen.replace(counts=counts, seen=seen)
+    x = processors.adjust(logits, pen)
+    tok = processors.sample(x, key, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+    if not log_probs:
+        return tok, None
+    lp = processors.reported_log_probs(x, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+    return tok, processors.top_log_probs(lp, tok, log_probs)
 
 
 @flax.struct.dataclass
@@ -59,6 +108,8 @@ class DecodeState:
     cache: KVCache
     key: jax.Array
     step: jax.Array  # scalar int32: decode steps taken
+    counts: jax.Array | None = None  # [B, V] int32 generated tokens per id (settings.track_tokens)
+    seen: jax.Array | None = None  # [B, V] bool: the id occurs in the prompt or the reply
 
 
 def prompt_bucket(length: int, minimum: int = 8) -> int:
@@ -97,6 +148,14 @@ def _forward(graphdef, params, tokens, positions, cache, cache_index, attend_len
 def prefill(graphdef, params, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array,
             sampling: SamplingParams, settings: DecodeSettings) -> DecodeState:
     """Run the padded prompts [B, P] through the model, sample each row's first new token."""
+    return prefill_scored(graphdef, params, prompts, prompt_lengths, key, sampling, settings)[0]
+
+
+def prefill_scored(graphdef, params, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array,
+                   sampling: SamplingParams, settings: DecodeSettings,
+                   log_probs: int = 0) -> tuple[DecodeState, jax.Array | None]:
+    """`prefill` (traceable), with the first token's reported log-probs when log_probs > 0
+    (`sample_logits`)."""
     b, p = prompts.shape
     total = p + settings.max_new_tokens
     cache = init_cache(nnx.merge(graphdef, params).cfg, b, total)
@@ -106,29 +165,37 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lengths: jax.Array, key
                              logits_at=prompt_lengths - 1)
     last = logits[:, 0]
     key, sub = jax.random.split(key)
-    tok = processors.sample(last, sub, sampling.temperature, sampling.top_k, sampling.top_p)
+    counts = seen = None
+    if settings.track_tokens:
+        counts, seen = processors.token_state(prompts, prompt_lengths, last.shape[-1])
+    tok, lp = sample_logits(last, sub, sampling, counts, seen, log_probs)
+    if settings.track_tokens and sampling.tracks_tokens:
+        counts, seen = processors.count_tokens(counts, seen, tok[:, None])
     tokens = jnp.full((b, total), settings.pad_id, jnp.int32).at[:, :p].set(prompts)
     tokens = jax.vmap(lambda row, i, t: row.at[i].set(t))(tokens, prompt_lengths, tok)
     done = (tok == settings.eos_id) | (settings.max_new_tokens <= 1)
     return DecodeState(tokens=tokens, lengths=prompt_lengths + 1, done=done,
                        num_generated=jnp.ones((b,), jnp.int32), cache=cache, key=key,
-                       step=jnp.int32(1))
+                       step=jnp.int32(1), counts=counts, seen=seen), lp
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"), donate_argnames=("state",))
 def decode_step(graphdef, params, state: DecodeState, sampling: SamplingParams,
                 settings: DecodeSettings) -> DecodeState:
     """Feed each row's last token, sample the next; finished rows stay unchanged."""
-    return _step(graphdef, params, state, sampling, settings)
+    return step(graphdef, params, state, sampling, settings)[0]
 
 
-def _step(graphdef, params, state: DecodeState, sampling: SamplingParams, settings: DecodeSettings):
+def step(graphdef, params, state: DecodeState, sampling: SamplingParams, settings: DecodeSettings,
+         log_probs: int = 0) -> tuple[DecodeState, jax.Array | None]:
+    """One decode step (traceable): feed each row's last token, sample the next (finished rows
+    stay unchanged); with the new tokens' reported log-probs when log_probs > 0 (`sample_logits`)."""
     b = state.tokens.shape[0]
     pos = state.lengths - 1
     last = jnp.take_along_axis(state.tokens, pos[:, None], axis=1)
     logits, cache = _forward(graphdef, params, last, pos[:, None], state.cache, pos)
     key, sub = jax.random.split(state.key)
-    tok = processors.sample(logits[:, 0], sub, sampling.temperature, sampling.top_k, sampling.top_p)
+    tok, lp = sample_logits(logits[:, 0], sub, sampling, state.counts, state.seen, log_probs)
     active = ~state.done
     tok = jnp.where(active, tok, settings.pad_id)
     write_at = jnp.where(active, state.lengths, state.tokens.shape[1] - 1)
@@ -137,8 +204,12 @@ def _step(graphdef, params, state: DecodeState, sampling: SamplingParams, settin
     num_generated = state.num_generated + active.astype(jnp.int32)
     done = state.done | (active & (tok == settings.eos_id)) | (num_generated >= settings.max_new_tokens)
     del b
+    counts, seen = state.counts, state.seen
+    if counts is not None and sampling.tracks_tokens:
+        counts, seen = processors.count_tokens(counts, seen, tok[:, None], active[:, None])
     return DecodeState(tokens=tokens, lengths=state.lengths + active.astype(jnp.int32), done=done,
-                       num_generated=num_generated, cache=cache, key=key, step=state.step + 1)
+                       num_generated=num_generated, cache=cache, key=key, step=state.step + 1,
+                       counts=counts, seen=seen), lp
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
@@ -146,8 +217,12 @@ def _generate(graphdef, params, prompts, prompt_lengths, key, sampling, settings
     state = prefill(graphdef, params, prompts, prompt_lengths, key, sampling, settings)
     return jax.lax.while_loop(
         lambda s: (s.step < settings.max_new_tokens) & ~jnp.all(s.done),
-        lambda s: _step(graphdef, params, s, sampling, settings),
+        lambda s: step(graphdef, params, s, sampling, settings)[0],
         state)
+
+
+def _tracking(sampling: SamplingParams, settings: DecodeSettings) -> DecodeSettings:
+    return dataclasses.replace(settings, track_tokens=True) if sampling.tracks_tokens else settings
 
 
 def check_context(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> None:
@@ -163,8 +238,10 @@ def generate(graphdef, params, prompts: jax.Array, prompt_lengths: jax.Array, ke
 
     prompts: [B, P] int32, left-aligned, padded (see `pad_prompts`); prompt_lengths: [B].
     Returns the final `DecodeState`; ``tokens[b, prompt_lengths[b]:lengths[b]]`` is row b's
-    reply (ending with EOS when one was sampled).
+    reply (ending with EOS when one was sampled). Penalties that count tokens switch on
+    ``settings.track_tokens``.
     """
+    settings = _tracking(sampling, settings)
     return _generate(graphdef, params, prompts, prompt_lengths, key, sampling, settings)
 
 
@@ -174,6 +251,7 @@ def stream(graphdef, params, prompts: jax.Array, prompt_lengths: jax.Array, key:
 
     Gives the same tokens as `generate` with the same key.
     """
+    settings = _tracking(sampling, settings)
     state = prefill(graphdef, params, prompts, prompt_lengths, key, sampling, settings)
     rows = np.arange(prompts.shape[0])
     last_len = np.asarray(prompt_lengths)

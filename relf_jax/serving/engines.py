@@ -50,14 +50,35 @@ from relf_jax.data.tokenizer import turn_stop_ids
 from relf_jax.errors import UserError
 
 
+LOGPROBS_TOP = 20  # the most probable tokens an engine reports per emitted token (OpenAI's top_logprobs maximum)
+LOGIT_BIAS_MAX = 1024  # entries of one request's logit_bias
+SAMPLING_FEATURES = ("nucleus", "top_k", "min_p", "penalties", "bias", "logprobs")
+
+
 @dataclasses.dataclass(frozen=True)
 class RequestParams:
-    """Per-request generation settings (traced per slot: changing them does not recompile)."""
+    """Per-request generation settings (traced per slot: changing them does not recompile).
+
+    top_k 0: the engine's own (usually off); min_p 0, repetition_penalty 1, frequency_penalty
+    and presence_penalty 0, no logit_bias: off (see `relf_jax.sampling.processors` for the
+    order they apply in). logprobs None: no log-probabilities; n in 0..20: each emitted token's
+    log-probability under the distribution it was drawn from, and the n most probable tokens'.
+    stop_token_ids: token ids that end this reply (besides the engine's `stop_ids`; the batcher
+    stops at them).
+    """
 
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -66,6 +87,32 @@ class RequestParams:
             raise UserError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise UserError(f"top_k must be >= 0 (0: off), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise UserError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (self.repetition_penalty > 0 and np.isfinite(self.repetition_penalty)):
+            raise UserError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise UserError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if len(self.logit_bias) > LOGIT_BIAS_MAX:
+            raise UserError(f"logit_bias takes at most {LOGIT_BIAS_MAX} tokens, got {len(self.logit_bias)}")
+        for tok, bias in self.logit_bias:
+            if tok < 0:
+                raise UserError(f"logit_bias: token ids are >= 0, got {tok}")
+            if not -100 <= bias <= 100:
+                raise UserError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= LOGPROBS_TOP:
+            raise UserError(f"top_logprobs must be in [0, {LOGPROBS_TOP}], got {self.logprobs}")
+
+    def features(self) -> frozenset[str]:
+        """The sampling features this request switches on (`SAMPLING_FEATURES`): an engine
+        compiles a feature into its step only while a slot it holds uses it."""
+        on = {"nucleus": self.top_p < 1, "top_k": self.top_k > 0, "min_p": self.min_p > 0,
+              "penalties": self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0,
+              "bias": bool(self.logit_bias), "logprobs": self.logprobs is not None}
+        return frozenset(name for name, used in on.items() if used)
 
 
 @dataclasses.dataclass
@@ -76,8 +123,9 @@ class Prefix:
     tokens: list[int]  # tokens already decided by the prefill (AR and speculative: the first one)
     done: bool  # the prefill already finished the request (e.g. its first token is EOS)
     model_s: float = 0.0  # seconds spent in the prefill
-    nucleus: bool = False  # the request filters by top_p < 1 (engines that sample with top-p)
+    features: frozenset = frozenset()  # the request's sampling features (`RequestParams.features`)
     prompt_len: int = 0  # the prompt's tokens (AR and speculative: for `_Spans`)
+    log_probs: list | None = None  # per token of `tokens`: (log-prob, [(id, log-prob), ...]) when asked
 
 
 @dataclasses.dataclass
@@ -90,6 +138,7 @@ class StepOutput:
     accepted: list[int] | None = None  # speculative: draft tokens accepted per slot this step
     steps: list[int] | None = None  # sampler steps each slot ran while active (None: one per occupied slot)
     ready_early: bool = False  # the step had finished before `collect` was called (see `Pending`)
+    log_probs: list[list] | None = None  # per slot, per token: (log-prob, [(id, log-prob), ...]) (see Prefix)
 
 
 @dataclasses.dataclass
@@ -184,6 +233,21 @@ class Engine(abc.ABC):
             raise UserError(f"prompt of {prompt_len} tokens + max_tokens={max_tokens} exceeds the model "
                             f"context of {room} tokens")
 
+    supported: frozenset = frozenset()  # the `SAMPLING_FEATURES` this engine implements
+
+    def check_params(self, params: RequestParams) -> None:
+        """UserError for a setting this engine does not implement, or a token id out of its vocabulary."""
+        names = {"nucleus": "top_p", "top_k": "top_k", "min_p": "min_p", "bias": "logit_bias", "logprobs": "logprobs",
+                 "penalties": "repetition_penalty / frequency_penalty / presence_penalty"}
+        missing = sorted(params.features() - self.supported)
+        if missing:
+            raise UserError(f"the {self.name} engine does not implement {', '.join(names[m] for m in missing)}")
+        vocab = getattr(self.tokenizer, "vocab_size", None)
+        if vocab is not None:
+            for tok in [t for t, _ in params.logit_bias] + list(params.stop_token_ids):
+                if not 0 <= tok < vocab:
+                    raise UserError(f"token id {tok} is outside the vocabulary (0..{vocab - 1})")
+
     def warmup(self, prompt_lengths: Sequence[int] | None = None, spans: int | None = None) -> None:
         """Compile prefill for the buckets of `prompt_lengths` (default: every power-of-two
         bucket up to half the context), and insert/generate/free, off the clock; for an engine
@@ -256,13 +320,72 @@ def _stack_slots(tree, n: int):
 
 
 def _first_prefix(engine: Engine, params: RequestParams, t0: float, first, done, prompt_len: int,
-                  data=None) -> Prefix:
+                  data=None, lp=None) -> Prefix:
     """The Prefix of a prefill that samples the first token (AR, speculative), `t0` its start:
-    `first` and `done` (device scalars) come to the host in one copy."""
-    first, done = jax.device_get((first, done))
+    `first`, `done` (device scalars) and `lp` (the reported log-probs or None) come to the host
+    in one copy."""
+    first, done, lp = jax.device_get((first, done, lp))
     first, done = int(first), bool(done)
     return Prefix(data=data, tokens=[first], done=done or first in engine.stop_ids,
-                  model_s=time.perf_counter() - t0, nucleus=params.top_p < 1, prompt_len=prompt_len)
+                  model_s=time.perf_counter() - t0, features=params.features(), prompt_len=prompt_len,
+                  log_probs=None if lp is None else [_lp_entry(np.asarray(lp, np.float32).reshape(-1))])
+
+
+def _lp_entry(row: np.ndarray) -> tuple[float, list[tuple[int, float]]]:
+    """(the token's log-prob, [(id, log-prob)] of the most probable) from a float32 row of
+    `processors.top_log_probs`."""
+    n = (row.shape[0] - 1) // 2
+    return float(row[0]), list(zip(row[1:1 + n].astype(np.int64).tolist(), row[1 + n:].tolist()))
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """float32 -> int32 bit patterns (log-probs travel in a step's int32 output rows)."""
+    return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+
+
+def _sparse_bias(params: RequestParams) -> tuple[np.ndarray, np.ndarray]:
+    """A request's logit_bias as (ids, values), padded with zero entries to a power of two >= 8
+    (one compilation of a prefill per size)."""
+    n = 8
+    while n < len(params.logit_bias):
+        n *= 2
+    ids, vals = np.zeros((n,), np.int32), np.zeros((n,), np.float32)
+    for i, (t, b) in enumerate(params.logit_bias):
+        ids[i], vals[i] = t, b
+    return ids, vals
+
+
+def _request_knobs(p: RequestParams, engine_top_k: int) -> dict:
+    """A request's traced sampling settings as host scalars (what the jitted prefills take)."""
+    return {"temperature": np.float32(p.temperature), "top_k": np.int32(p.top_k or engine_top_k),
+            "top_p": np.float32(p.top_p), "min_p": np.float32(p.min_p),
+            "repetition": np.float32(p.repetition_penalty), "frequency": np.float32(p.frequency_penalty),
+            "presence": np.float32(p.presence_penalty)}
+
+
+def _request_sampling(ar, knobs: dict, bias_ids, bias_vals, vocab: int):
+    """(Traced) `SamplingParams` of one request from `_request_knobs`, every field present (a
+    slot's state has one structure whatever its request uses; `_static_sampling` drops the
+    unused ones)."""
+    from relf_jax.sampling import processors
+
+    pen = processors.Penalties(bias=jnp.zeros((vocab,), jnp.float32).at[bias_ids].add(bias_vals),
+                               repetition=knobs["repetition"], frequency=knobs["frequency"],
+                               presence=knobs["presence"])
+    return ar.SamplingParams(knobs["temperature"], knobs["top_k"], knobs["top_p"], knobs["min_p"], pen)
+
+
+def _static_sampling(sp, features: frozenset, engine_top_k: int):
+    """`sp` with the features no held slot uses replaced by Python off values (left out at
+    trace time; see `_Held`)."""
+    pen = sp.penalties
+    if pen is not None:
+        pen = pen.off(bias="bias" not in features, penalties="penalties" not in features)
+        if pen.bias is None and not pen.tracks:
+            pen = None
+    return sp.replace(top_k=sp.top_k if "top_k" in features else engine_top_k,
+                      top_p=sp.top_p if "nucleus" in features else None,
+                      min_p=sp.min_p if "min_p" in features else None, penalties=pen)
 
 
 SPAN_MIN = 64  # the shortest cache `_Spans` sizes the slots to
@@ -365,24 +488,31 @@ class _Slot:
 
 @dataclasses.dataclass(frozen=True)
 class _Held:
-    """The state of an engine that samples with top-p: the device slots, and on the host the
-    slots whose request filters by top_p < 1.
+    """The state of an engine that samples with the processors: the device slots, and on the
+    host which held slots use which sampling feature (`RequestParams.features`).
 
-    `generate` compiles the nucleus filter (a sort over the vocabulary per sampled position)
-    only while such a slot is held. The samplers skip the filter with a runtime ``lax.cond``,
-    but under the engines' ``vmap`` over slots that cond becomes a select that always sorts --
-    measured at most of an NSD round's time on CPU.
+    `generate` compiles a feature (the nucleus filter's sort over the vocabulary, top-k, min-p,
+    the penalties, the logit bias, the log-probs) only while a slot that uses it is held. The
+    samplers skip a filter with a runtime ``lax.cond``, but under the engines' ``vmap`` over
+    slots that cond becomes a select that always computes it -- the nucleus sort was measured
+    at most of an NSD round's time on CPU.
     """
 
     slots: Any
-    nucleus: frozenset = frozenset()
+    users: frozenset = frozenset()  # (slot, feature) pairs
     occupied: frozenset = frozenset()  # slots holding a request (see `_subset`)
 
-    def insert(self, slots, slot: int, nucleus: bool) -> _Held:
-        return _Held(slots, self.nucleus | {slot} if nucleus else self.nucleus - {slot}, self.occupied | {slot})
+    @property
+    def features(self) -> frozenset:
+        """The features some held slot uses (a static argument of the engines' steps)."""
+        return frozenset(f for _, f in self.users)
+
+    def insert(self, slots, slot: int, features: frozenset) -> _Held:
+        return _Held(slots, frozenset((s, f) for s, f in self.users if s != slot) | {(slot, f) for f in features},
+                     self.occupied | {slot})
 
     def free(self, slots, slot: int) -> _Held:
-        return _Held(slots, self.nucleus - {slot}, self.occupied - {slot})
+        return _Held(slots, frozenset((s, f) for s, f in self.users if s != slot), self.occupied - {slot})
 
 
 def _subset(held: _Held, num_slots: int) -> np.ndarray | None:
@@ -483,7 +613,7 @@ class _SpanSized:
     def insert(self, prefix, state, slot):
         state = self._fit(state, extra=prefix.prompt_len + 1)
         self._spans.admit(slot, prefix.prompt_len)
-        return state.insert(self._jit_insert(state.slots, prefix.data, slot), slot, prefix.nucleus)
+        return state.insert(self._jit_insert(state.slots, prefix.data, slot), slot, prefix.features)
 
     def _fit(self, state, extra: int = 0):
         """`state` with its caches resized to the span the next step (or insert) needs."""
@@ -496,7 +626,10 @@ class _SpanSized:
 
 class AREngine(_SpanSized, Engine):
     """One token per sampler step per slot, with `relf_jax.sampling.autoregressive`'s prefill and
-    step; `steps_per_call` steps per `generate` (see `_check_steps_per_call`)."""
+    step; `steps_per_call` steps per `generate` (see `_check_steps_per_call`). Implements every
+    `SAMPLING_FEATURES` entry per request."""
+
+    supported = frozenset(SAMPLING_FEATURES)
 
     def __init__(self, lm, num_slots: int = 8, *, top_k: int = 0, steps_per_call: int = 1, name: str = "ar",
                  max_context: int | None = None):
@@ -508,31 +641,35 @@ class AREngine(_SpanSized, Engine):
         self.lm, self.name, self.num_slots, self.top_k = lm, name, num_slots, top_k
         self.steps_per_call = self.tokens_per_step = _check_steps_per_call(steps_per_call)
         self.tokenizer = lm.tokenizer
+        self.vocab_size = lm.model_cfg.vocab_size
         self.max_context = _context(lm.model_cfg.max_seq_len, max_context)
         self.stop_ids = turn_stop_ids(lm.tokenizer)
         # the step never stops a slot on length (the server does, per request)
         self._step_settings = ar.DecodeSettings(max_new_tokens=self.max_context, eos_id=lm.tokenizer.eos_id,
-                                                pad_id=lm.tokenizer.pad_id)
+                                                pad_id=lm.tokenizer.pad_id, track_tokens=True)
         self.compact = True  # step only the occupied slots when few are (`_subset`)
         self._spans = _Spans(num_slots, self.max_context, self.tokens_per_step)
         self._weights = _Leaves(lm.params)
-        self._jit_step = jax.jit(self._step_all, donate_argnums=(1,), static_argnames=("nucleus",))
+        self._jit_step = jax.jit(self._step_all, donate_argnums=(1,), static_argnames=("features",))
         self._jit_step_subset = jax.jit(functools.partial(_step_subset, self._step_all), donate_argnums=(1,),
-                                        static_argnames=("nucleus",))
+                                        static_argnames=("features",))
         self._jit_resize = jax.jit(lambda s, span: s.replace(state=s.state.replace(cache=_resize_cache(
             s.state.cache, span))), static_argnums=(1,))
         self._jit_insert = jax.jit(_set_slot, donate_argnums=(0,))
-        self._jit_prefill = jax.jit(self._prefix_data, static_argnames=("settings",))
-        self._jit_prefill_insert = jax.jit(self._prefill_into, donate_argnums=(1,), static_argnames=("settings",))
+        self._jit_prefill = jax.jit(self._prefix_data, static_argnames=("settings", "features"))
+        self._jit_prefill_insert = jax.jit(self._prefill_into, donate_argnums=(1,),
+                                           static_argnames=("settings", "features"))
         self._jit_free = jax.jit(lambda s, slot: dataclasses.replace(
             s, state=dataclasses.replace(s.state, done=s.state.done.at[slot].set(True))), donate_argnums=(0,))
 
     def _settings(self, bucket: int):
         return self._ar.DecodeSettings(max_new_tokens=self.max_context - bucket, eos_id=self.tokenizer.eos_id,
-                                       pad_id=self.tokenizer.pad_id)
+                                       pad_id=self.tokenizer.pad_id, track_tokens=True)
 
-    def _sampling(self, p: RequestParams):
-        return self._ar.SamplingParams(np.float32(p.temperature), np.int32(self.top_k), np.float32(p.top_p))
+    def _request(self, p: RequestParams):
+        """The request's settings as the jitted prefills take them (host arrays; the rest static)."""
+        ids, vals = _sparse_bias(p)
+        return dict(seed=np.uint32(p.seed), knobs=_request_knobs(p, self.top_k), bias_ids=ids, bias_vals=vals)
 
     def init_state(self):
         return _free_slots(self, _Held(_stack_slots(self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data,
@@ -542,80 +679,92 @@ class AREngine(_SpanSized, Engine):
         bucket = bucket_for(len(prompt), self.max_context - 1)
         return (*_pad_one(prompt, self.tokenizer.pad_id, bucket), self._settings(bucket))
 
-    def _prefix_data(self, params, prompts, lengths, seed, sampling, settings):
-        """(slot data, first token, done) of one padded prompt: traced, the seed's key made inside."""
-        st = self._ar.prefill(self.lm.graphdef, self._weights.tree(params), prompts, lengths, jax.random.key(seed),
-                              sampling, settings)
-        return _Slot(state=st, sampling=sampling), st.tokens[0, lengths[0]], st.done[0]
+    def _prefix_data(self, params, prompts, lengths, seed, knobs, bias_ids, bias_vals, settings, features):
+        """(slot data, first token, done, its log-probs or None) of one padded prompt: traced,
+        the seed's key made inside."""
+        sampling = _request_sampling(self._ar, knobs, bias_ids, bias_vals, self.vocab_size)
+        st, lp = self._ar.prefill_scored(self.lm.graphdef, self._weights.tree(params), prompts, lengths,
+                                         jax.random.key(seed), _static_sampling(sampling, features, self.top_k),
+                                         settings, log_probs=LOGPROBS_TOP if "logprobs" in features else 0)
+        return _Slot(state=st, sampling=sampling), st.tokens[0, lengths[0]], st.done[0], lp
 
     def prefill(self, prompt, params):
         arr, lens, settings = self._padded(prompt)
         t0 = time.perf_counter()
-        data, first, done = self._jit_prefill(self._weights.leaves, arr, lens, np.uint32(params.seed),
-                                              self._sampling(params), settings=settings)
-        return _first_prefix(self, params, t0, first, done, len(prompt), data=data)
+        data, first, done, lp = self._jit_prefill(self._weights.leaves, arr, lens, **self._request(params),
+                                                  settings=settings, features=params.features())
+        return _first_prefix(self, params, t0, first, done, len(prompt), data=data, lp=lp)
 
     def _span(self, state) -> int:
         return state.slots.state.cache[0][0].shape[-2]
 
-    def _prefill_into(self, params, slots, prompts, lengths, seed, sampling, slot, settings):
-        data, first, done = self._prefix_data(params, prompts, lengths, seed, sampling, settings)
-        return _set_slot(slots, data, slot), first, done
+    def _prefill_into(self, params, slots, prompts, lengths, seed, knobs, bias_ids, bias_vals, slot, settings,
+                      features):
+        data, first, done, lp = self._prefix_data(params, prompts, lengths, seed, knobs, bias_ids, bias_vals,
+                                                  settings, features)
+        return _set_slot(slots, data, slot), first, done, lp
 
     def prefill_insert(self, prompt, params, state, slot):
         arr, lens, settings = self._padded(prompt)
         state = self._fit(state, extra=len(prompt) + 1)
         t0 = time.perf_counter()
-        slots, first, done = self._jit_prefill_insert(self._weights.leaves, state.slots, arr, lens,
-                                                      np.uint32(params.seed), self._sampling(params), slot,
-                                                      settings=settings)
-        prefix = _first_prefix(self, params, t0, first, done, len(prompt))
+        slots, first, done, lp = self._jit_prefill_insert(self._weights.leaves, state.slots, arr, lens,
+                                                          **self._request(params), slot=slot, settings=settings,
+                                                          features=params.features())
+        prefix = _first_prefix(self, params, t0, first, done, len(prompt), lp=lp)
         self._spans.admit(slot, len(prompt))
-        return state.insert(slots, slot, prefix.nucleus), prefix
+        return state.insert(slots, slot, prefix.features), prefix
 
     def free(self, state, slot, stopped=False):
         self._spans.free(slot)
         return state.free(state.slots if stopped else self._jit_free(state.slots, slot), slot)
 
-    def _step_all(self, params, slots: _Slot, nucleus: bool):
+    def _step_all(self, params, slots: _Slot, features: frozenset):
         ar, settings = self._ar, self._step_settings
         params = self._weights.tree(params)
+        n_lp = LOGPROBS_TOP if "logprobs" in features else 0
 
         def one(st, sp):
-            # Python values switch the filters off at trace time (see `_Held`)
-            sp = sp.replace(top_k=self.top_k, top_p=sp.top_p if nucleus else None)
-            return ar._step(self.lm.graphdef, params, st, sp, settings)
+            # Python values switch the unused features off at trace time (see `_Held`)
+            return ar.step(self.lm.graphdef, params, st, _static_sampling(sp, features, self.top_k), settings,
+                           log_probs=n_lp)
 
         stops = jnp.asarray(self.stop_ids, jnp.int32)
 
         def step(slots):
-            new = jax.vmap(one)(slots.state, slots.sampling)
+            new, lp = jax.vmap(one)(slots.state, slots.sampling)
             emitted = new.lengths[:, 0] > slots.state.lengths[:, 0]
             last = jnp.take_along_axis(new.tokens[:, 0], (new.lengths[:, 0] - 1)[:, None], axis=1)[:, 0]
             # a slot stops at any stop token (the sampler itself only at EOS) or when full
             done = new.done[:, 0] | (new.lengths[:, 0] >= self.max_context) | (emitted & jnp.isin(last, stops))
             new = dataclasses.replace(new, done=done[:, None])
             row = jnp.stack([last, emitted, done & emitted], axis=1).astype(jnp.int32)
+            if n_lp:
+                row = jnp.concatenate([row, _bits(lp[:, 0])], axis=1)
             return dataclasses.replace(slots, state=new), row
 
-        return _run_steps(step, slots, self.steps_per_call, 3)  # [slots, steps, (token, emitted, done)]
+        # [slots, steps, (token, emitted, done[, log-prob, top ids, top log-probs])]
+        return _run_steps(step, slots, self.steps_per_call, 3 + (1 + 2 * n_lp if n_lp else 0))
 
     def dispatch(self, state):
         t0 = time.perf_counter()
         state = self._fit(state)
         idx = _subset(state, self.num_slots) if self.compact else None
         if idx is None:
-            slots, out = self._jit_step(self._weights.leaves, state.slots, nucleus=bool(state.nucleus))
+            slots, out = self._jit_step(self._weights.leaves, state.slots, features=state.features)
         else:
-            slots, out = self._jit_step_subset(self._weights.leaves, state.slots, idx=idx, nucleus=bool(state.nucleus))
+            slots, out = self._jit_step_subset(self._weights.leaves, state.slots, idx=idx, features=state.features)
         return dataclasses.replace(state, slots=slots), Pending(out, idx, t0, time.perf_counter())
 
     def collect(self, pending):
         out, model_s, early = _collect_rows(pending, self.num_slots)
-        toks = [[t for t, e, _ in row if e] for row in out]
+        toks = [[r[0] for r in row if r[1]] for row in out]
+        lps = None
+        if len(out[0][0]) > 3:  # the log-probs' bit patterns follow (token, emitted, done)
+            lps = [[_lp_entry(np.asarray(r[3:], np.int32).view(np.float32)) for r in row if r[1]] for row in out]
         self._spans.advance_by(toks)
-        return StepOutput(tokens=toks, done=[any(d for _, _, d in row) for row in out], model_s=model_s,
-                          steps=[len(t) for t in toks], ready_early=early)
+        return StepOutput(tokens=toks, done=[any(r[2] for r in row) for row in out], model_s=model_s,
+                          steps=[len(t) for t in toks], ready_early=early, log_probs=lps)
 
     def generate(self, state):
         state, pending = self.dispatch(state)
@@ -631,7 +780,11 @@ class SpeculativeEngine(_SpanSized, Engine):
     rule: "standard" (exact), "nsd" (nucleus relaxation, `nsd_top_p`) or "greedy"; proposer:
     "draft" (needs `draft`, a loaded AR model with the same tokenizer), "prompt_lookup" or
     "corpus_ngram" (needs `ngram_table`, an `NgramDraft` built from the target's training data).
+    Implements every `SAMPLING_FEATURES` entry per request, on the target's distribution (the
+    round's processed verification, `relf_jax.speculative.generate`).
     """
+
+    supported = frozenset(SAMPLING_FEATURES)
 
     def __init__(self, lm, draft=None, num_slots: int = 8, *, rule: str = "nsd", k: int = 4,
                  proposer: str = "draft", nsd_top_p: float = 0.9, ngram: int = 3, steps_per_call: int = 1,
@@ -650,6 +803,7 @@ class SpeculativeEngine(_SpanSized, Engine):
         self.rule, self.k, self.proposer, self.nsd_top_p, self.ngram = rule, k, proposer, nsd_top_p, ngram
         self.name = name or f"spec-{rule}"
         self.tokenizer = lm.tokenizer
+        self.vocab_size = lm.model_cfg.vocab_size
         model_max = lm.model_cfg.max_seq_len
         if self.draft is not None:
             model_max = min(model_max, self.draft.model_cfg.max_seq_len)
@@ -662,15 +816,16 @@ class SpeculativeEngine(_SpanSized, Engine):
         self._spans = _Spans(num_slots, self.max_context, self.tokens_per_step)
         self._target_w = _Leaves(lm.params)
         self._draft_w = _Leaves(self.draft.params) if self.draft is not None else None
-        self._jit_step = jax.jit(self._step_all, donate_argnums=(2,), static_argnames=("nucleus",))
+        self._jit_step = jax.jit(self._step_all, donate_argnums=(2,), static_argnames=("features",))
         self._jit_step_subset = jax.jit(functools.partial(_step_subset, self._step_all), donate_argnums=(2,),
-                                        static_argnames=("nucleus",))
+                                        static_argnames=("features",))
         self._jit_resize = jax.jit(lambda s, span: s.replace(state=s.state.replace(
             target_cache=_resize_cache(s.state.target_cache, span),
             draft_cache=_resize_cache(s.state.draft_cache, span))), static_argnums=(1,))
         self._jit_insert = jax.jit(_set_slot, donate_argnums=(0,))
-        self._jit_prefill = jax.jit(self._prefix_data, static_argnames=("settings",))
-        self._jit_prefill_insert = jax.jit(self._prefill_into, donate_argnums=(2,), static_argnames=("settings",))
+        self._jit_prefill = jax.jit(self._prefix_data, static_argnames=("settings", "features"))
+        self._jit_prefill_insert = jax.jit(self._prefill_into, donate_argnums=(2,),
+                                           static_argnames=("settings", "features"))
         self._jit_free = jax.jit(lambda s, slot: dataclasses.replace(
             s, state=dataclasses.replace(s.state, done=s.state.done.at[slot].set(True))), donate_argnums=(0,))
 
@@ -678,13 +833,32 @@ class SpeculativeEngine(_SpanSized, Engine):
         tok = self.tokenizer
         return self._spec.SpecSettings(k=self.k, rule=self.rule, proposer=self.proposer,
                                        max_new_tokens=max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                                       ngram=self.ngram)
+                                       ngram=self.ngram, track_tokens=True)
 
     def reserve(self) -> int:
         return self.k + 1
 
-    def _params(self, p: RequestParams):
-        return self._spec.SpecParams(np.float32(p.temperature), np.float32(p.top_p), np.float32(self.nsd_top_p))
+    def _request(self, p: RequestParams):
+        """The request's settings as the jitted prefills take them (host arrays; the rest static)."""
+        ids, vals = _sparse_bias(p)
+        return dict(seed=np.uint32(p.seed), knobs=_request_knobs(p, 0), bias_ids=ids, bias_vals=vals)
+
+    def _spec_params(self, knobs, bias_ids, bias_vals):
+        """(Traced) `SpecParams` of one request, every field present (see `_request_sampling`)."""
+        from relf_jax.sampling import autoregressive as ar
+
+        sp = _request_sampling(ar, knobs, bias_ids, bias_vals, self.vocab_size)
+        return self._spec.SpecParams(sp.temperature, sp.top_p, jnp.float32(self.nsd_top_p), sp.top_k, sp.min_p,
+                                     sp.penalties)
+
+    @staticmethod
+    def _static_params(sp, features: frozenset):
+        """`sp` with the features no held slot uses switched off at trace time (see `_Held`)."""
+        pen = sp.penalties.off(bias="bias" not in features, penalties="penalties" not in features)
+        return sp.replace(top_k=sp.top_k if "top_k" in features else None,
+                          top_p=sp.top_p if "nucleus" in features else None,
+                          min_p=sp.min_p if "min_p" in features else None,
+                          penalties=pen if pen.bias is not None or pen.tracks else None)
 
     def _weight_args(self):
         """The target's and the draft's weights as the jitted calls take them (`_Leaves`; the
@@ -704,58 +878,65 @@ class SpeculativeEngine(_SpanSized, Engine):
         bucket = bucket_for(len(prompt), self.max_context - self.reserve() - 1)
         return (*_pad_one(prompt, self.tokenizer.pad_id, bucket), self._settings(self.max_context - bucket - self.k - 1))
 
-    def _prefix_data(self, target_params, draft_params, prompts, lengths, seed, sp, settings):
-        """(slot data, first token, done) of one padded prompt: traced, the seed's key made inside."""
+    def _prefix_data(self, target_params, draft_params, prompts, lengths, seed, knobs, bias_ids, bias_vals,
+                     settings, features):
+        """(slot data, first token, done, its log-probs or None) of one padded prompt: traced,
+        the seed's key made inside."""
         dg = self.draft.graphdef if self.draft is not None else None
         target_params, draft_params = self._weights(target_params, draft_params)
-        st = self._spec._prefill(self.lm.graphdef, target_params, dg, draft_params, prompts, lengths,
-                                 jax.random.key(seed), sp, settings)
-        return _Slot(state=st, sampling=sp), st.tokens[0, lengths[0]], st.done[0]
+        sp = self._spec_params(knobs, bias_ids, bias_vals)
+        st, lp = self._spec.prefill_scored(self.lm.graphdef, target_params, dg, draft_params, prompts, lengths,
+                                           jax.random.key(seed), self._static_params(sp, features), settings,
+                                           log_probs=LOGPROBS_TOP if "logprobs" in features else 0)
+        return _Slot(state=st, sampling=sp), st.tokens[0, lengths[0]], st.done[0], lp
 
     def prefill(self, prompt, params):
         arr, lens, settings = self._padded(prompt)
         t0 = time.perf_counter()
-        data, first, done = self._jit_prefill(*self._weight_args(), arr, lens,
-                                              np.uint32(params.seed), self._params(params), settings=settings)
-        return _first_prefix(self, params, t0, first, done, len(prompt), data=data)
+        data, first, done, lp = self._jit_prefill(*self._weight_args(), arr, lens, **self._request(params),
+                                                  settings=settings, features=params.features())
+        return _first_prefix(self, params, t0, first, done, len(prompt), data=data, lp=lp)
 
     def _span(self, state) -> int:
         return state.slots.state.target_cache[0][0].shape[-2]
 
-    def _prefill_into(self, target_params, draft_params, slots, prompts, lengths, seed, sp, slot, settings):
-        data, first, done = self._prefix_data(target_params, draft_params, prompts, lengths, seed, sp, settings)
-        return _set_slot(slots, data, slot), first, done
+    def _prefill_into(self, target_params, draft_params, slots, prompts, lengths, seed, knobs, bias_ids, bias_vals,
+                      slot, settings, features):
+        data, first, done, lp = self._prefix_data(target_params, draft_params, prompts, lengths, seed, knobs,
+                                                  bias_ids, bias_vals, settings, features)
+        return _set_slot(slots, data, slot), first, done, lp
 
     def prefill_insert(self, prompt, params, state, slot):
         arr, lens, settings = self._padded(prompt)
         state = self._fit(state, extra=len(prompt) + 1)
         t0 = time.perf_counter()
-        slots, first, done = self._jit_prefill_insert(*self._weight_args(), state.slots, arr, lens,
-                                                      np.uint32(params.seed), self._params(params), slot,
-                                                      settings=settings)
-        prefix = _first_prefix(self, params, t0, first, done, len(prompt))
+        slots, first, done, lp = self._jit_prefill_insert(*self._weight_args(), state.slots, arr, lens,
+                                                          **self._request(params), slot=slot, settings=settings,
+                                                          features=params.features())
+        prefix = _first_prefix(self, params, t0, first, done, len(prompt), lp=lp)
         self._spans.admit(slot, len(prompt))
-        return state.insert(slots, slot, prefix.nucleus), prefix
+        return state.insert(slots, slot, prefix.features), prefix
 
     def free(self, state, slot, stopped=False):
         self._spans.free(slot)
         return state.free(state.slots if stopped else self._jit_free(state.slots, slot), slot)
 
-    def _step_all(self, target_params, draft_params, slots: _Slot, nucleus: bool):
+    def _step_all(self, target_params, draft_params, slots: _Slot, features: frozenset):
         spec, settings = self._spec, self._step_settings
         dg = self.draft.graphdef if self.draft is not None else None
         target_params, draft_params = self._weights(target_params, draft_params)
+        n_lp = LOGPROBS_TOP if "logprobs" in features else 0
 
         def one(st, sp):
-            if not nucleus:  # a Python value switches the top-p filter off at trace time (see `_Held`)
-                sp = sp.replace(top_p=None)
-            return spec._round(self.lm.graphdef, target_params, dg, draft_params, st, sp, settings)
+            # Python values switch the unused features off at trace time (see `_Held`)
+            return spec.round_scored(self.lm.graphdef, target_params, dg, draft_params, st,
+                                     self._static_params(sp, features), settings, log_probs=n_lp)
 
         stops = jnp.asarray(self.stop_ids, jnp.int32)
 
         def round_(slots):
             old = slots.state
-            new = jax.vmap(one)(old, slots.sampling)
+            new, lp = jax.vmap(one)(old, slots.sampling)
             start, count = old.lengths[:, 0], new.lengths[:, 0] - old.lengths[:, 0]
             window = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (self.k + 1,)))(
                 new.tokens[:, 0], jnp.minimum(start, new.tokens.shape[-1] - self.k - 1))
@@ -765,11 +946,13 @@ class SpeculativeEngine(_SpanSized, Engine):
             done = new.done[:, 0] | stopped | (new.lengths[:, 0] + self.k + 1 > self.max_context)
             new = dataclasses.replace(new, done=done[:, None])
             cols = [count, done & (count > 0), accepted]
-            return dataclasses.replace(slots, state=new), jnp.concatenate(
-                [window, jnp.stack(cols, axis=1).astype(window.dtype)], axis=1)
+            parts = [window, jnp.stack(cols, axis=1).astype(window.dtype)]
+            if n_lp:  # per position: the log-prob, top ids, top log-probs (bit patterns)
+                parts.append(_bits(lp[:, 0].reshape(lp.shape[0], -1)))
+            return dataclasses.replace(slots, state=new), jnp.concatenate(parts, axis=1)
 
-        # [slots, rounds, (k + 1 tokens, count, done, accepted)]
-        return _run_steps(round_, slots, self.steps_per_call, self.k + 4)
+        # [slots, rounds, (k + 1 tokens, count, done, accepted[, (k + 1) * (1 + 2 * top)])]
+        return _run_steps(round_, slots, self.steps_per_call, self.k + 4 + (self.k + 1) * (1 + 2 * n_lp if n_lp else 0))
 
     def dispatch(self, state):
         t0 = time.perf_counter()
@@ -777,19 +960,25 @@ class SpeculativeEngine(_SpanSized, Engine):
         idx = _subset(state, self.num_slots) if self.compact else None
         args = (*self._weight_args(), state.slots)
         if idx is None:
-            slots, out = self._jit_step(*args, nucleus=bool(state.nucleus))
+            slots, out = self._jit_step(*args, features=state.features)
         else:
-            slots, out = self._jit_step_subset(*args, idx=idx, nucleus=bool(state.nucleus))
+            slots, out = self._jit_step_subset(*args, idx=idx, features=state.features)
         return dataclasses.replace(state, slots=slots), Pending(out, idx, t0, time.perf_counter())
 
     def collect(self, pending):
         out, model_s, early = _collect_rows(pending, self.num_slots)
         w = self.k + 1
         toks = [[t for r in row for t in r[:r[w]]] for row in out]
+        lps = None
+        if len(out[0][0]) > w + 3:  # each position's log-probs (bit patterns) follow
+            def entries(r):
+                per = np.asarray(r[w + 3:], np.int32).view(np.float32).reshape(w, -1)
+                return [_lp_entry(per[j]) for j in range(r[w])]
+            lps = [[e for r in row for e in entries(r)] for row in out]
         self._spans.advance_by(toks)
         return StepOutput(tokens=toks, done=[any(r[w + 1] for r in row) for row in out], model_s=model_s,
                           accepted=[sum(r[w + 2] for r in row) for row in out],
-                          steps=[sum(r[w] > 0 for r in row) for row in out], ready_early=early)
+                          steps=[sum(r[w] > 0 for r in row) for row in out], ready_early=early, log_probs=lps)
 
     def generate(self, state):
         state, pending = self.dispatch(state)
@@ -902,7 +1091,8 @@ class BlockDiffusionEngine(Engine):
                 key, sub = jax.random.split(key)
                 logits, cache = bdd._forward(model, cache, block, start, settings)
                 commit, toks = bdd.confidence_commit(logits, is_masked, settings.threshold,
-                                                     temperature=sl.temperature, key=sub)
+                                                     temperature=sl.temperature, key=sub,
+                                                     confidence=settings.confidence)
                 return cache, jnp.where(commit, toks, block), is_masked & ~commit, key
 
             key = jax.random.wrap_key_data(sl.key)

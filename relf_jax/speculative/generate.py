@@ -18,6 +18,14 @@ which refreshes the one slot (the last draft token) it never wrote when all K we
 
 Static settings live on the frozen `SpecSettings`; sampling knobs are traced (`SpecParams`).
 With ``trace_top_k > 0`` every round is recorded in the state (`relf_jax.speculative.trace`).
+
+The logits processors beyond temperature / top-k / top-p (a per-row top-k, min-p, logit bias,
+repetition / frequency / presence penalties: `relf_jax.sampling.processors`) apply to the
+target's distribution at every verified position, with the token counts of the committed
+tokens plus the drafts before that position, and the same transform to the draft model's
+(and the n-gram table's) distribution as it drafts. Verification then runs on the processed
+log-probabilities (temperature 1, no filters), so the standard rule stays exact for the
+processed target distribution.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ class SpecSettings:
     top_k: int = 0  # static: the verification kernel has no top-k, so it selects the code path
     use_kernel: Optional[bool] = None
     trace_top_k: int = 0  # > 0: record every round (`relf_jax.speculative.trace`) with the target's top-T
+    track_tokens: bool = False  # keep per-row token counts (`SpecState.counts`) for the penalties
 
     def __post_init__(self):
         if self.k < 1:
@@ -72,11 +81,24 @@ class SpecSettings:
 
 @flax.struct.dataclass
 class SpecParams:
-    """Traced sampling knobs (top_k is static, on `SpecSettings`)."""
+    """Traced sampling knobs. The shared top_k is static, on `SpecSettings`; a traced per-row
+    `top_k`, `min_p` and `penalties` (`processors.Penalties`; their token state lives in the
+    `SpecState`) are None when off, and switch the round to processed verification (module
+    docstring)."""
 
     temperature: jax.Array
     top_p: jax.Array
     nsd_top_p: jax.Array
+    top_k: jax.Array | None = None
+    min_p: jax.Array | None = None
+    penalties: processors.Penalties | None = None
+
+    @property
+    def processed(self) -> bool:
+        """Whether the round verifies processed log-probabilities (some extra processor is on)."""
+        pen = self.penalties
+        return self.top_k is not None or self.min_p is not None or (
+            pen is not None and (pen.bias is not None or pen.tracks))
 
     @classmethod
     def make(cls, temperature=1.0, top_p=1.0, nsd_top_p=0.9) -> "SpecParams":
@@ -101,11 +123,34 @@ class SpecState:
     accepted_at: jax.Array  # [K] active rounds whose accepted prefix reached position i
     active_rounds: jax.Array  # scalar: sum over rows of active rounds
     trace: object = ()  # a `RoundTrace` when settings.trace_top_k > 0, else ()
+    counts: jax.Array | None = None  # [B, V] int32 generated tokens per id (settings.track_tokens)
+    seen: jax.Array | None = None  # [B, V] bool: the id occurs in the prompt or the reply
 
 
 def _temperature(sp: SpecParams, settings: SpecSettings):
     """The greedy rule emits argmax tokens only, so its first token and drafts are greedy too."""
     return jnp.float32(0.0) if settings.rule == "greedy" else sp.temperature
+
+
+def _knobs(sp: SpecParams, settings: SpecSettings) -> tuple:
+    """(temperature, top_k, top_p, min_p) of `processors.log_probs` / `sample`."""
+    return (_temperature(sp, settings), settings.top_k if sp.top_k is None else sp.top_k, sp.top_p, sp.min_p)
+
+
+def _penalties(sp: SpecParams, state: SpecState) -> processors.Penalties | None:
+    """The request's penalties with the state's token counts (None when none is on)."""
+    pen = sp.penalties
+    if pen is None or (pen.bias is None and not pen.tracks):
+        return None
+    return pen.replace(counts=state.counts, seen=state.seen) if pen.tracks else pen
+
+
+def _drafted_counts(draft_tokens: jax.Array, vocab: int, lead: int) -> jax.Array:
+    """[B, lead + K, V] int32: at index lead + j, the counts of draft_tokens[:, :j] (zeros before)."""
+    hot = jax.nn.one_hot(draft_tokens, vocab, dtype=jnp.int32)
+    before = jnp.cumsum(hot, axis=1) - hot
+    b, k, v = hot.shape
+    return jnp.concatenate([jnp.zeros((b, lead, v), jnp.int32), before], axis=1)
 
 
 def sparse_verify(settings: SpecSettings) -> bool:
@@ -124,32 +169,42 @@ def _take(tokens, positions):
 
 
 def _propose_draft(draft_graphdef, draft_params, state: SpecState, sp: SpecParams, settings: SpecSettings, key):
-    """K draft tokens and their logits [B, K], [B, K, V] from the draft model."""
+    """K draft tokens and their logits [B, K], [B, K, V] from the draft model (with processed
+    sampling, `SpecParams.processed`: the processed log-probs each token was drawn from)."""
     lengths = state.lengths
     pos2 = jnp.stack([lengths - 2, lengths - 1], axis=1)
     logits, cache = _forward(draft_graphdef, draft_params, _take(state.tokens, pos2), pos2, state.draft_cache,
                              lengths - 2)
     first = logits[:, 1]
     keys = jax.random.split(key, settings.k)
+    pen = _penalties(sp, state)
+    knobs = _knobs(sp, settings)
+    v = first.shape[-1]
 
-    def draw(lg, k):
-        return processors.sample(lg, k, _temperature(sp, settings), settings.top_k, sp.top_p)
+    def draw(lg, k, drafted):
+        """(token, the logits q it was drawn from): processed drafts count the earlier ones."""
+        if not sp.processed:
+            return processors.sample(lg, k, *knobs), lg
+        x = processors.adjust(lg, pen, drafted if pen is not None and pen.tracks else None)
+        return processors.sample(x, k, *knobs), processors.log_probs(x, *knobs)
 
-    x1 = draw(first, keys[0])
+    none = jnp.zeros((first.shape[0], v), jnp.int32)
+    x1, q1 = draw(first, keys[0], none)
 
     def body(carry, i):
-        cache, prev_tok = carry
+        cache, prev_tok, drafted = carry
+        drafted = drafted + jax.nn.one_hot(prev_tok, v, dtype=jnp.int32)
         pos = (lengths + i - 1)[:, None]
         lg, cache = _forward(draft_graphdef, draft_params, prev_tok[:, None], pos, cache, lengths + i - 1)
-        tok = draw(lg[:, 0], keys[i])
-        return (cache, tok), (tok, lg[:, 0])
+        tok, q = draw(lg[:, 0], keys[i], drafted)
+        return (cache, tok, drafted), (tok, q)
 
     if settings.k > 1:
-        (cache, _), (toks, lgs) = jax.lax.scan(body, (cache, x1), jnp.arange(1, settings.k))
+        (cache, _, _), (toks, lgs) = jax.lax.scan(body, (cache, x1, none), jnp.arange(1, settings.k))
         draft_tokens = jnp.concatenate([x1[:, None], toks.T], axis=1)
-        draft_logits = jnp.concatenate([first[:, None], jnp.moveaxis(lgs, 0, 1)], axis=1)
+        draft_logits = jnp.concatenate([q1[:, None], jnp.moveaxis(lgs, 0, 1)], axis=1)
     else:
-        draft_tokens, draft_logits = x1[:, None], first[:, None]
+        draft_tokens, draft_logits = x1[:, None], q1[:, None]
     return draft_tokens, draft_logits, cache
 
 
@@ -203,10 +258,26 @@ def _propose_ngram_candidates(table: ngram_draft.NgramDraft, state: SpecState, s
     ctx = _take(state.tokens, lengths[:, None] - c + jnp.arange(c)[None, :])
     valid = jnp.minimum(lengths, c)
     keys = jax.random.split(key, settings.k)
+    pen = _penalties(sp, state)
+    knobs = _knobs(sp, settings)
     toks, cands, lps = [], [], []
     for i in range(settings.k):
         cand, lp = ngram_draft.next_candidates(table, ctx, valid)
-        pick = processors.sample(lp, keys[i], _temperature(sp, settings), settings.top_k, sp.top_p)
+        if sp.processed:  # the processors on the M candidates (gathered bias and counts); q as log-probs
+            if pen is not None:
+                def at(x):  # [V] or [B, V] -> [B, M]
+                    return jnp.take_along_axis(jnp.broadcast_to(x, (cand.shape[0], x.shape[-1])), cand, axis=-1)
+
+                sub = pen.replace(bias=None if pen.bias is None else at(pen.bias))
+                if pen.tracks:
+                    earlier = (jnp.sum(cand[:, :, None] == jnp.stack(toks, axis=1)[:, None, :], axis=-1) if toks
+                               else jnp.zeros_like(cand))
+                    sub = sub.replace(counts=at(pen.counts) + earlier, seen=at(pen.seen) | (earlier > 0))
+                lp = processors.adjust(lp, sub)
+            pick = processors.sample(lp, keys[i], *knobs)
+            lp = processors.log_probs(lp, *knobs)
+        else:
+            pick = processors.sample(lp, keys[i], *knobs)
         tok = jnp.take_along_axis(cand, pick[:, None], axis=1)[:, 0]
         toks.append(tok)
         cands.append(cand)
@@ -218,6 +289,15 @@ def _propose_ngram_candidates(table: ngram_draft.NgramDraft, state: SpecState, s
 
 def _round(target_graphdef, target_params, draft_graphdef, draft_params, state: SpecState, sp: SpecParams,
            settings: SpecSettings) -> SpecState:
+    return round_scored(target_graphdef, target_params, draft_graphdef, draft_params, state, sp, settings)[0]
+
+
+def round_scored(target_graphdef, target_params, draft_graphdef, draft_params, state: SpecState, sp: SpecParams,
+                 settings: SpecSettings, log_probs: int = 0) -> tuple[SpecState, jax.Array | None]:
+    """One draft/verify round (traceable); with log_probs > 0 also [B, K+1, 1 + 2 * log_probs]:
+    at each of the K+1 positions, the token committed there (where one was) under the target's
+    processed distribution at that position and its `log_probs` most probable tokens
+    (`processors.top_log_probs` of `processors.reported_log_probs`)."""
     k = settings.k
     key, k_draft, k_verify = jax.random.split(state.key, 3)
     lengths = state.lengths
@@ -242,6 +322,16 @@ def _round(target_graphdef, target_params, draft_graphdef, draft_params, state: 
                                            lengths - 1)
     rules = {"rule": settings.rule, "temperature": sp.temperature, "top_k": settings.top_k, "top_p": sp.top_p,
              "nsd_top_p": sp.nsd_top_p}
+    scored = target_logits
+    if sp.processed:
+        # the target's processed distribution at position j counts drafts[:j] as committed
+        pen = _penalties(sp, state)
+        drafted = (_drafted_counts(draft_tokens, target_logits.shape[-1], 1)
+                   if pen is not None and pen.tracks else None)
+        scored = processors.adjust(target_logits, pen, drafted)
+        target_logits = processors.log_probs(scored, *_knobs(sp, settings))
+        # both sides are processed log-probs now: the rule alone (temperature 1, no filters)
+        rules.update(temperature=1.0, top_k=0, top_p=None)
     if draft_logits is None:  # the n-gram table's candidates, unscattered
         res = verify_sparse(target_logits, cands, cand_logits, draft_tokens, k_verify, **rules)
     else:
@@ -264,6 +354,12 @@ def _round(target_graphdef, target_params, draft_graphdef, draft_params, state: 
 
     tokens = jax.vmap(write)(state.tokens, lengths, cand, count)
     num_generated = state.num_generated + count
+    counts, seen = state.counts, state.seen
+    if counts is not None and sp.penalties is not None and sp.penalties.tracks:
+        counts, seen = processors.count_tokens(counts, seen, cand, idx < count[:, None])
+    lp = None
+    if log_probs:
+        lp = processors.top_log_probs(processors.reported_log_probs(scored, *_knobs(sp, settings)), cand, log_probs)
     done = state.done | (active & (first_eos < count)) | (num_generated >= settings.max_new_tokens)
     trace = state.trace
     if settings.trace_top_k:
@@ -278,11 +374,21 @@ def _round(target_graphdef, target_params, draft_graphdef, draft_params, state: 
                      target_forwards=state.target_forwards + act,
                      accepted=state.accepted + jnp.where(active, jnp.minimum(n, count), 0),
                      accepted_at=accepted_at.astype(jnp.int32),
-                     active_rounds=state.active_rounds + jnp.sum(act), trace=trace)
+                     active_rounds=state.active_rounds + jnp.sum(act), trace=trace, counts=counts, seen=seen), lp
 
 
 def _prefill(target_graphdef, target_params, draft_graphdef, draft_params, prompts, prompt_lengths, key,
              sp: SpecParams, settings: SpecSettings) -> SpecState:
+    return prefill_scored(target_graphdef, target_params, draft_graphdef, draft_params, prompts, prompt_lengths,
+                          key, sp, settings)[0]
+
+
+def prefill_scored(target_graphdef, target_params, draft_graphdef, draft_params, prompts, prompt_lengths, key,
+                   sp: SpecParams, settings: SpecSettings, log_probs: int = 0) -> tuple[SpecState, jax.Array | None]:
+    """The prompts' prefill and first token (traceable); with log_probs > 0 also the first
+    token's reported log-probs [B, 1 + 2 * log_probs] (`round_scored`)."""
+    from relf_jax.sampling.autoregressive import SamplingParams, sample_logits
+
     b, p = prompts.shape
     total = p + settings.max_new_tokens + settings.k + 1
     tcfg = nnx.merge(target_graphdef, target_params).cfg
@@ -300,7 +406,14 @@ def _prefill(target_graphdef, target_params, draft_graphdef, draft_params, promp
         dcache = ()
     last = logits[:, 0]
     key, sub = jax.random.split(key)
-    tok = processors.sample(last, sub, _temperature(sp, settings), settings.top_k, sp.top_p)
+    counts = seen = None
+    if settings.track_tokens:
+        counts, seen = processors.token_state(prompts, prompt_lengths, last.shape[-1])
+    t, top_k, top_p, min_p = _knobs(sp, settings)
+    sampling = SamplingParams(t, top_k, top_p, min_p, sp.penalties)
+    tok, lp = sample_logits(last, sub, sampling, counts, seen, log_probs)
+    if counts is not None and sampling.tracks_tokens:
+        counts, seen = processors.count_tokens(counts, seen, tok[:, None])
     tokens = jnp.full((b, total), settings.pad_id, jnp.int32).at[:, :p].set(prompts)
     tokens = jax.vmap(lambda row, i, t: row.at[i].set(t))(tokens, prompt_lengths, tok)
     done = (tok == settings.eos_id) | (settings.max_new_tokens <= 1)
@@ -309,7 +422,7 @@ def _prefill(target_graphdef, target_params, draft_graphdef, draft_params, promp
                      target_forwards=jnp.ones((b,), jnp.int32), accepted=jnp.zeros((b,), jnp.int32),
                      accepted_at=jnp.zeros((settings.k,), jnp.int32), active_rounds=jnp.int32(0),
                      trace=empty_trace(settings.max_new_tokens, b, settings.k, min(settings.trace_top_k, tcfg.vocab_size))
-                     if settings.trace_top_k else ())
+                     if settings.trace_top_k else (), counts=counts, seen=seen), lp
 
 
 @functools.partial(jax.jit, static_argnames=("target_graphdef", "draft_graphdef", "settings"))
@@ -336,6 +449,8 @@ def generate(target_graphdef, target_params, prompts: jax.Array, prompt_lengths:
         raise UserError("proposer 'draft' needs a draft model (draft_graphdef, draft_params)")
     if settings.proposer == "corpus_ngram":
         check_ngram_table(draft_params, nnx.merge(target_graphdef, target_params).cfg.vocab_size)
+    if sp.penalties is not None and sp.penalties.tracks and not settings.track_tokens:
+        settings = dataclasses.replace(settings, track_tokens=True)
     return _generate(target_graphdef, target_params, draft_graphdef, draft_params, prompts, prompt_lengths, key,
                      sp, settings)
 
