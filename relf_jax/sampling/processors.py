@@ -105,12 +105,18 @@ class Penalties:
         counts + 1 and seen for each. A no-op when no penalty reads the state."""
         if not self.tracks or self.counts is None:
             return self
-        v = self.counts.shape[-1]
-        hot = jax.nn.one_hot(tokens, v, dtype=jnp.int32)
-        if mask is not None:
-            hot = hot * mask[..., None].astype(jnp.int32)
-        added = jnp.sum(hot, axis=-2)
-        return self.replace(counts=self.counts + added, seen=self.seen | (added > 0))
+        counts, seen = count_tokens(self.counts, self.seen, tokens, mask)
+        return self.replace(counts=counts, seen=seen)
+
+
+def count_tokens(counts: jax.Array, seen: jax.Array, tokens: jax.Array,
+                 mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(counts, seen) [..., V] after committing `tokens` [..., n] (where `mask` [..., n] holds)."""
+    hot = jax.nn.one_hot(tokens, counts.shape[-1], dtype=jnp.int32)
+    if mask is not None:
+        hot = hot * mask[..., None].astype(jnp.int32)
+    added = jnp.sum(hot, axis=-2)
+    return counts + added, seen | (added > 0)
 
 
 def token_state(prompts: jax.Array, lengths: jax.Array, vocab: int) -> tuple[jax.Array, jax.Array]:
