@@ -22,6 +22,7 @@ Parses arguments and calls library functions; holds no method. Config overrides 
     relf-jax bench hf --out hf.json [--quick]
     relf-jax bench rcsd --out rcsd.json [--quick]
     relf-jax bench dws --out dws.json [--quick]
+    relf-jax bench bd --out bd.json [--quick] [--budgets 600,1200] [--ablation]
     relf-jax serve --workdir runs/cpu --generator nsd --generator ar --port 8000
     relf-jax serve --model path/to/hf_qwen2_instruct --port 8000
     relf-jax bench serve --out serve.json [--quick]
@@ -92,9 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--workdir", default=None)
 
     b = sub.add_parser("bench", help="long measurements written as JSON (bench spec | relf | verify | latency | "
-                                     "flowstep | hf | rcsd | dws | serve | relf-toy)")
+                                     "flowstep | hf | rcsd | dws | serve | relf-toy | bd)")
     b.add_argument("which", choices=["spec", "relf", "verify", "latency", "flowstep", "hf", "rcsd", "dws", "serve",
-                                     "relf-toy"])
+                                     "relf-toy", "bd"])
     b.add_argument("--out", required=True, help="JSON file to write")
     b.add_argument("--quick", action="store_true", help="tiny preset, a few minutes")
     b.add_argument("--workdir", default=None, help="where models are trained / cached")
@@ -103,6 +104,11 @@ def _parser() -> argparse.ArgumentParser:
                                                  "server) and dws (FCFS vs SJF-DWS); "
                                                  "relf: models, reflow (reflow and no-pairs control rounds), "
                                                  "latency; default all")
+
+    b.add_argument("--budgets", default=None, help="bench bd only: training budgets in steps, comma-separated "
+                                                   "(default 600,1200)")
+    b.add_argument("--ablation", action="store_true", help="bench bd only: also the old one-conversation-per-row "
+                                                           "layout at the first budget")
 
     ih = sub.add_parser("import-hf", help="a local HuggingFace Llama/Qwen2 directory -> a relf_jax checkpoint")
     ih.add_argument("path", help="directory with config.json, safetensors weights and a tokenizer")
@@ -229,6 +235,8 @@ def _run(args) -> int:
             from experiments.bench_serve import bench_serve as run_bench
         elif args.which == "relf-toy":
             from experiments.bench_relf_toy import bench_relf_toy as run_bench
+        elif args.which == "bd":
+            from experiments.bench_bd import bench_bd as run_bench
         else:
             run_bench = getattr(bench, f"bench_{args.which}")
         extra = {}
@@ -237,6 +245,16 @@ def _run(args) -> int:
                 from relf_jax.errors import UserError
                 raise UserError("--parts applies to bench serve and bench relf only")
             extra["parts"] = [p.strip() for p in args.parts.split(",") if p.strip()]
+        if args.budgets is not None or args.ablation:
+            if args.which != "bd":
+                from relf_jax.errors import UserError
+                raise UserError("--budgets and --ablation apply to bench bd only")
+            try:
+                extra["budgets"] = [int(x) for x in args.budgets.split(",")] if args.budgets else None
+            except ValueError:
+                from relf_jax.errors import UserError
+                raise UserError(f"--budgets must be comma-separated step counts, got {args.budgets!r}") from None
+            extra["ablation"] = args.ablation
         run_bench(args.out, quick=args.quick, workdir=args.workdir, overrides=args.overrides, **extra)
         return 0
     if args.command == "train":

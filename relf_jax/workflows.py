@@ -89,10 +89,12 @@ def train_lm(cfg: Config, *, mesh=None) -> TrainResult:
     cfg = dataclasses.replace(cfg, model=model_cfg)
     d, t = cfg.data, cfg.train
     rows = row_mode(cfg)
+    # block diffusion on packed rows: each document filled up to whole blocks
+    align = model_cfg.block_size if model_cfg.family == "bd" and rows == "segments" else 1
     data = pipeline.make_iterator(builder, "train", tok, seq_len=d.seq_len, batch_size=t.batch_size,
-                                  seed=t.seed, rows=rows)
+                                  seed=t.seed, rows=rows, align=align)
     evals = pipeline.eval_batches(builder, "validation", tok, seq_len=d.seq_len, batch_size=t.batch_size,
-                                  max_batches=t.eval_batches, rows=rows)
+                                  max_batches=t.eval_batches, rows=rows, align=align)
     loss = masked_diffusion_loss if model_cfg.family == "bd" else next_token_loss
     return train(cfg, model_cfg, loss, data, eval_data=evals,
                  workdir=os.path.join(cfg.workdir, model_cfg.family), mesh=mesh,
@@ -103,15 +105,14 @@ EMBEDDING_DOCS = 20_000
 
 
 def row_mode(cfg: Config) -> str:
-    """How training rows are cut (``data.rows``): "auto" is "segments" for ReLF (several whole
+    """How training rows are cut (``data.rows``): "auto" is "segments" (several whole
     conversations per row, segment-aware attention, no pad in the loss: the same text tokens per
-    step as AR's packed rows, less the row tails), "documents" for block diffusion (whole
-    conversations from position 0, so blocks align with positions), else "packed"."""
+    step as AR's packed rows, less the row tails) for ReLF and block diffusion (there each
+    conversation is filled up with pad to whole blocks, so blocks align with positions), else
+    "packed"."""
     if cfg.data.rows != "auto":
         return cfg.data.rows
-    if cfg.model.family == "relf":
-        return "segments"
-    return "documents" if cfg.model.family == "bd" else "packed"
+    return "segments" if cfg.model.family in ("relf", "bd") else "packed"
 
 
 LENGTHS_FILE = "flow_lengths.npy"
@@ -594,6 +595,7 @@ class Samples:
     seconds: float  # decode wall time, compilation excluded
     tokens: int  # generated tokens (EOS included)
     target_forwards: int = 0  # target forward passes (AR: one per token)
+    denoise_steps: int = 0  # block diffusion: denoising steps (target_forwards less one refresh per block)
 
     @property
     def tokens_per_s(self) -> float:
@@ -750,7 +752,7 @@ def sample_bd(lm: LoadedModel, prompts: Optional[Sequence[str]] = None, n: Optio
               sample_cfg: Optional[SampleConfig] = None, warmup: bool = True) -> Samples:
     """Replies from a block-diffusion model by confidence-threshold decoding (`relf_jax.dws.decoding`),
     `batch_size` prompts at a time: tokens sampled at ``sample.temperature`` (0: greedy), commits by
-    ``sample.threshold``, at most
+    ``sample.threshold`` and ``sample.confidence``, at most
     ceil(``sample.max_new_tokens`` / block size) blocks, stopping at EOS or (when every prompt is
     non-empty, i.e. a reply is wanted) at the ``<user>`` marker of the next turn.
     ``target_forwards`` counts denoising steps plus one cache refresh per block."""
@@ -764,7 +766,7 @@ def sample_bd(lm: LoadedModel, prompts: Optional[Sequence[str]] = None, n: Optio
         raise UserError("no prompts to sample from")
     d = lm.model_cfg.block_size
     settings = decode_settings(lm, max_blocks=-(-sc.max_new_tokens // d), threshold=sc.threshold,
-                               temperature=sc.temperature)
+                               temperature=sc.temperature, confidence=sc.confidence)
     tok = lm.tokenizer
     if not all(prompts):  # a fresh conversation starts with <user>: only EOS (or pad) ends it
         settings = dataclasses.replace(settings, stop_ids=tuple(i for i in settings.stop_ids
@@ -773,7 +775,7 @@ def sample_bd(lm: LoadedModel, prompts: Optional[Sequence[str]] = None, n: Optio
     bucket = bdd.prompt_bucket(max(len(x) for x in ids), d)
     bs = sc.batch_size
     key = jax.random.key(sc.seed)
-    texts, token_ids, complete, seconds, total, forwards = [], [], [], 0.0, 0, 0
+    texts, token_ids, complete, seconds, total, forwards, steps = [], [], [], 0.0, 0, 0, 0
     for start in range(0, len(ids), bs):
         chunk = ids[start:start + bs]
         arr, plen = bdd.pad_prompts(chunk + [[tok.bos_id]] * (bs - len(chunk)), tok.pad_id, d, bucket)
@@ -788,11 +790,12 @@ def sample_bd(lm: LoadedModel, prompts: Optional[Sequence[str]] = None, n: Optio
             body = out[:-1] if done else out
             total += len(out)
             forwards += int(state.steps[i].sum() + state.num_blocks[i])
+            steps += int(state.steps[i].sum())
             token_ids.append(body)
             complete.append(done)
             texts.append(tok.decode(body))
     return Samples(texts=texts, token_ids=token_ids, complete=complete, seconds=seconds, tokens=total,
-                   target_forwards=forwards)
+                   target_forwards=forwards, denoise_steps=steps)
 
 
 def stream_reply(lm: LoadedModel, prompt: str, sample_cfg: Optional[SampleConfig] = None):

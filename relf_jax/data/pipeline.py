@@ -277,9 +277,28 @@ def segment_positions(segment_ids):
 ROW_MODES = ("packed", "documents", "segments")
 
 
-def _rows(docs: grain.MapDataset, tokenizer, seq_len: int, rows: str = "packed") -> grain.IterDataset:
+class _PadToMultiple(grain.transforms.Map):
+    """A tokenized document filled up with ``pad_id`` to a multiple of ``align`` tokens (block
+    diffusion: every document then starts on a block boundary of its row and its last block
+    ends in pad, as at decoding time, where a block is committed whole and pad stops a reply)."""
+
+    def __init__(self, align: int, pad_id: int):
+        self._align, self._pad_id = align, pad_id
+
+    def map(self, doc: np.ndarray) -> np.ndarray:
+        fill = -len(doc) % self._align
+        return np.concatenate([doc, np.full(fill, self._pad_id, np.int32)]) if fill else doc
+
+
+def _rows(docs: grain.MapDataset, tokenizer, seq_len: int, rows: str = "packed",
+          align: int = 1) -> grain.IterDataset:
     if seq_len < 1:
         raise ValueError(f"seq_len must be positive, got {seq_len}.")
+    if align > 1:
+        if rows != "segments" or seq_len % align:
+            raise ValueError(f"align={align} needs rows='segments' and seq_len a multiple of it")
+        docs = docs.map(_Tokenize(tokenizer)).map(_PadToMultiple(align, tokenizer.pad_id)).to_iter_dataset()
+        return SegmentRows(docs, seq_len, tokenizer.pad_id)
     if rows == "packed":
         return PackedRows(docs.map(_Tokenize(tokenizer)).to_iter_dataset(), seq_len + 1)
     if rows == "documents":
@@ -302,9 +321,11 @@ def make_iterator(
     process_index: int | None = None,
     process_count: int | None = None,
     rows: str = "packed",
+    align: int = 1,
 ) -> grain.DatasetIterator:
     """This host's batches of rows (``rows``: "packed", "documents" or "segments"), int32
-    ``[batch_size, seq_len + 1]`` each.
+    ``[batch_size, seq_len + 1]`` each. ``align`` > 1 (segments only) fills each document up
+    with pad ids to a multiple of ``align`` tokens first (block diffusion's blocks).
 
     Deterministic given ``seed``; ``num_epochs=None`` repeats forever (reshuffling every
     epoch). ``process_index`` / ``process_count`` default to JAX's; each host reads the
@@ -316,7 +337,7 @@ def make_iterator(
     if shuffle:
         docs = docs.shuffle(seed)
     docs = docs.repeat(num_epochs)
-    return iter(_rows(docs, tokenizer, seq_len, rows).batch(batch_size, drop_remainder=True))
+    return iter(_rows(docs, tokenizer, seq_len, rows, align).batch(batch_size, drop_remainder=True))
 
 
 def eval_batches(
@@ -330,6 +351,7 @@ def eval_batches(
     process_index: int | None = None,
     process_count: int | None = None,
     rows: str = "packed",
+    align: int = 1,
 ) -> list[dict[str, np.ndarray]]:
     """Up to ``max_batches`` batches from one pass over ``split`` in stored order.
 
@@ -339,7 +361,7 @@ def eval_batches(
     """
     docs = _host_documents(builder, split, process_index, process_count)
     batches = []
-    for batch in _rows(docs, tokenizer, seq_len, rows).batch(batch_size):
+    for batch in _rows(docs, tokenizer, seq_len, rows, align).batch(batch_size):
         missing = batch_size - len(batch["tokens"])
         if missing:
             batch = {k: np.pad(v, ((0, missing), (0, 0))) for k, v in batch.items()}

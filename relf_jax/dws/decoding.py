@@ -38,6 +38,9 @@ from relf_jax.models.causal_lm import init_cache
 from relf_jax.sampling import processors
 
 
+CONFIDENCE_RULES = ("max", "sampled")
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockDecodeSettings:
     """Static settings of the decoder (hashable: one compilation per settings and shape)."""
@@ -49,6 +52,10 @@ class BlockDecodeSettings:
     stop_ids: tuple[int, ...]
     threshold: float = 0.95
     temperature: float = 0.0  # 0: greedy tokens; > 0: tokens sampled from softmax(logits / T)
+    # what a position's confidence is (`confidence_commit`): "max", its top probability, so the
+    # choice of positions does not look at the sampled tokens; "sampled", the sampled token's
+    # probability (the old rule: it prefers positions whose draw happened to be likely)
+    confidence: str = "max"
 
     def __post_init__(self):
         if self.block_size < 1 or self.max_blocks < 1:
@@ -59,6 +66,8 @@ class BlockDecodeSettings:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not self.stop_ids:
             raise ValueError("stop_ids must name at least one token (EOS)")
+        if self.confidence not in CONFIDENCE_RULES:
+            raise ValueError(f"confidence must be one of {CONFIDENCE_RULES}, got {self.confidence!r}")
 
     def canvas_len(self, prompt_bucket: int) -> int:
         """Positions the canvas and KV cache need for prompts padded to `prompt_bucket`."""
@@ -66,17 +75,22 @@ class BlockDecodeSettings:
 
 
 def confidence_commit(logits: jax.Array, is_masked: jax.Array, threshold: float, *, temperature: float = 0.0,
-                      key: jax.Array | None = None):
+                      key: jax.Array | None = None, confidence: str = "max"):
     """The commit rule on one step's logits.
 
     logits [B, d, V], is_masked [B, d] bool -> (commit [B, d] bool, tokens [B, d] int32):
     commit every masked position whose confidence is > threshold; a row with masked positions
     but none above it commits its single most confident masked position. Greedy (temperature
-    0): the token is the argmax and the confidence its probability. With temperature > 0 the
-    token is sampled from softmax(logits / T) (`sampling.processors.sample` with `key`) and the
-    confidence is the sampled token's probability under that distribution. `temperature` may
-    be a traced scalar (0 then means greedy, as above).
+    0): the token is the argmax. With temperature > 0 the token is sampled from
+    softmax(logits / T) (`sampling.processors.sample` with `key`). A position's confidence is its
+    top probability under that distribution (``confidence="max"``) or the sampled token's
+    probability (``"sampled"``; the same when greedy). "max" decides *where* to commit from the
+    distributions alone, so each committed token is an unbiased draw at its position; "sampled"
+    picks, among the positions' draws, the luckiest, which skews samples towards frequent tokens.
+    `temperature` may be a traced scalar (0 then means greedy, as above).
     """
+    if confidence not in CONFIDENCE_RULES:
+        raise ValueError(f"confidence must be one of {CONFIDENCE_RULES}, got {confidence!r}")
     logits = logits.astype(jnp.float32)
     if not isinstance(temperature, (int, float)):  # traced (one value per request, e.g. a server slot)
         if key is None:
@@ -92,7 +106,10 @@ def confidence_commit(logits: jax.Array, is_masked: jax.Array, threshold: float,
     else:
         tokens = processors.first_argmax(logits)
     probs = jax.nn.softmax(logits, axis=-1)
-    conf = jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
+    if confidence == "max":
+        conf = probs.max(axis=-1)
+    else:
+        conf = jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
     above = is_masked & (conf > threshold)
     best = processors.first_argmax(jnp.where(is_masked, conf, -1.0))
     fallback = jax.nn.one_hot(best, is_masked.shape[1], dtype=bool) & is_masked
@@ -122,7 +139,7 @@ def _step(model, cache, block, start, is_masked, key, settings: BlockDecodeSetti
     """One denoising step: forward over the block, commit by the rule. Returns (cache, block, is_masked)."""
     logits, cache = _forward(model, cache, block, start, settings)
     commit, tokens = confidence_commit(logits, is_masked, settings.threshold, temperature=settings.temperature,
-                                       key=key)
+                                       key=key, confidence=settings.confidence)
     return cache, jnp.where(commit, tokens, block), is_masked & ~commit
 
 

@@ -69,7 +69,7 @@ def workload_prompts(tok, *, n_synthetic: int, n_chatterbot: int, seed: int, max
 
 
 def decode_settings(lm, *, max_blocks: int, threshold: float = 0.95, temperature: float = 0.0,
-                    block_size: int | None = None) -> BlockDecodeSettings:
+                    block_size: int | None = None, confidence: str = "max") -> BlockDecodeSettings:
     """Settings for a loaded "bd" model: its block size, stop at EOS, ``<user>`` or pad (it trains on
     document rows, where pad only follows the end of a conversation), greedy by default."""
     from relf_jax.data.tokenizer import turn_stop_ids
@@ -78,7 +78,7 @@ def decode_settings(lm, *, max_blocks: int, threshold: float = 0.95, temperature
     return BlockDecodeSettings(block_size=block_size or lm.model_cfg.block_size, max_blocks=max_blocks,
                                mask_id=lm.model_cfg.vocab_size, pad_id=tok.pad_id,
                                stop_ids=turn_stop_ids(tok, pad=True),
-                               threshold=threshold, temperature=temperature)
+                               threshold=threshold, temperature=temperature, confidence=confidence)
 
 
 def _labels_key(params, prompts: Sequence[Sequence[int]], settings: BlockDecodeSettings, batch_size: int) -> str:

@@ -14,10 +14,14 @@ Two ways to call it:
   (``block_causal_mask`` for clean text, `decode_mask` for a block attending to a cache);
   the decoder writes each block's keys/values into a fixed-size KV cache, one slot per
   position, like `CausalLM`.
-- `training_logits(noisy, clean)`: the BD3-LM training pass over ``[noisy; clean]`` (length
-  2L) in one forward: a noisy token of block j sees the noisy tokens of its own block and the
-  clean tokens of blocks < j; clean tokens see clean tokens block-causally. So every block is
-  denoised given the clean text before it, as at decoding time.
+- `training_logits(noisy, clean, segment_ids)`: the BD3-LM training pass over
+  ``[noisy; clean]`` (length 2L) in one forward: a noisy token of block j sees the noisy tokens
+  of its own block and the clean tokens of blocks < j; clean tokens see clean tokens
+  block-causally. So every block is denoised given the clean text before it, as at decoding
+  time. With `segment_ids` (packed rows: several documents per row, id 0 = padding) nothing
+  attends across documents, positions restart at 0 in each document and blocks are counted
+  from each document's start, so every document sees exactly the layout it has at decoding
+  time (`block_aligned` documents fill whole blocks).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from relf_jax.config import ModelConfig
+from relf_jax.data.pipeline import segment_positions
 from relf_jax.models.causal_lm import DTYPES
 from relf_jax.models.layers import (
     KVCache,
@@ -44,16 +49,29 @@ def mask_id(cfg: ModelConfig) -> int:
 
 
 def training_mask(length: int, block_size: int) -> jax.Array:
-    """[2L, 2L] bool mask of the ``[noisy; clean]`` training pass (see the module docstring)."""
-    idx = jnp.arange(length)
-    blk = idx // block_size
-    same = blk[:, None] == blk[None, :]
-    before = blk[None, :] < blk[:, None]
-    upto = blk[None, :] <= blk[:, None]
-    none = jnp.zeros((length, length), bool)
-    top = jnp.concatenate([same, before], axis=1)  # noisy queries: own noisy block | earlier clean blocks
-    bottom = jnp.concatenate([none, upto], axis=1)  # clean queries: clean blocks up to their own
-    return jnp.concatenate([top, bottom], axis=0)
+    """[2L, 2L] bool mask of the ``[noisy; clean]`` training pass of one document (module docstring)."""
+    seg = jnp.ones((1, length), jnp.int32)
+    return packed_training_mask(seg, jnp.arange(length, dtype=jnp.int32)[None], block_size)[0]
+
+
+def packed_training_mask(segment_ids: jax.Array, positions: jax.Array, block_size: int) -> jax.Array:
+    """[B, 2L, 2L] bool mask of the ``[noisy; clean]`` pass over packed rows.
+
+    segment_ids, positions: [B, L] (positions restart at 0 in each document). Query and key
+    must share a non-zero segment id; blocks are ``position // block_size`` within the document.
+    A noisy query sees the noisy keys of its own block and the clean keys of earlier blocks; a
+    clean query sees the clean keys of its block and earlier ones.
+    """
+    blk = positions // block_size
+    same_doc = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] != 0)
+    same = same_doc & (blk[:, None, :] == blk[:, :, None])
+    before = same_doc & (blk[:, None, :] < blk[:, :, None])
+    upto = same_doc & (blk[:, None, :] <= blk[:, :, None])
+    # a padding query (id 0) would see nothing; let it see itself so its softmax stays finite
+    eye = jnp.eye(segment_ids.shape[1], dtype=bool)[None] & (segment_ids[:, :, None] == 0)
+    top = jnp.concatenate([same | eye, before], axis=2)  # noisy queries: own noisy block | earlier clean blocks
+    bottom = jnp.concatenate([jnp.zeros_like(same), upto | eye], axis=2)  # clean queries: clean blocks up to theirs
+    return jnp.concatenate([top, bottom], axis=1)
 
 
 def decode_mask(positions: jax.Array, num_slots: int, block_size: int) -> jax.Array:
@@ -99,10 +117,19 @@ class BlockDiffusionLM(nnx.Module):
         logits = constrain(x @ self.lm_head[...].astype(jnp.float32), ("batch", "length", "vocab"))
         return logits, (None if cache is None else tuple(new_cache))
 
-    def training_logits(self, noisy: jax.Array, clean: jax.Array) -> jax.Array:
-        """Logits [B, L, V] for the noisy tokens [B, L] given the clean sequence [B, L]."""
+    def training_logits(self, noisy: jax.Array, clean: jax.Array, segment_ids: jax.Array | None = None,
+                        positions: jax.Array | None = None) -> jax.Array:
+        """Logits [B, L, V] for the noisy tokens [B, L] given the clean sequence [B, L].
+
+        `segment_ids` [B, L] (default: one document per row) keeps packed documents apart;
+        `positions` [B, L] default to each token's offset in its document.
+        """
         b, length = noisy.shape
-        pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
-        mask = jnp.broadcast_to(training_mask(length, self.cfg.block_size), (b, 2 * length, 2 * length))
-        logits, _ = self(jnp.concatenate([noisy, clean], axis=1), jnp.concatenate([pos, pos], axis=1), mask)
+        if segment_ids is None:
+            segment_ids = jnp.ones((b, length), jnp.int32)
+        if positions is None:
+            positions = segment_positions(segment_ids)
+        mask = packed_training_mask(segment_ids, positions, self.cfg.block_size)
+        logits, _ = self(jnp.concatenate([noisy, clean], axis=1), jnp.concatenate([positions, positions], axis=1),
+                         mask)
         return logits[:, :length]

@@ -48,28 +48,41 @@ def next_token_loss(model, batch: dict, key: jax.Array, pad_id: int = 0):
     return loss, {"tokens": mask.sum()}
 
 
-def masked_diffusion_loss(model, batch: dict, key: jax.Array):
-    """Block masked-diffusion loss of a `BlockDiffusionLM` (BD3-LM style) on document rows.
+def block_ids(segment_ids: jax.Array, positions: jax.Array, block_size: int) -> jax.Array:
+    """[B, L] -> [B, L]: the index, within its row, of each token's diffusion block (blocks are
+    ``position // block_size`` within each document, so a block never spans two documents)."""
+    starts = (positions % block_size == 0)
+    starts = starts.at[:, 0].set(True) | jnp.concatenate(
+        [jnp.zeros_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    return jnp.cumsum(starts.astype(jnp.int32), axis=1) - 1
 
-    Each block of each row draws its own masking rate t ~ U(0, 1); every token but the first
-    (BOS, always given at decoding time) is replaced by the mask token with probability t. The
-    loss is the mean cross-entropy of the original tokens at the masked positions, predicted
-    from the noisy block and the clean blocks before it (`BlockDiffusionLM.training_logits`).
-    An unweighted mean over masked tokens instead of the ELBO's 1/t weights: lower variance,
-    and the confidence-threshold decoder only needs good per-token posteriors at every rate.
+
+def masked_diffusion_loss(model, batch: dict, key: jax.Array):
+    """Block masked-diffusion loss of a `BlockDiffusionLM` (BD3-LM style) on packed rows.
+
+    Rows hold whole documents (``segment_ids`` 1, 2, ..., 0 = padding, which takes no loss and is
+    never masked); positions restart at 0 in each document and blocks are ``position //
+    block_size`` within it (`BlockDiffusionLM.training_logits` keeps documents apart). Each block
+    draws its own masking rate t ~ U(0, 1); every token but a document's first (BOS, always given
+    at decoding time) is replaced by the mask token with probability t. The loss is the mean
+    cross-entropy of the original tokens at the masked positions, predicted from the noisy block
+    and the clean blocks before it. An unweighted mean over masked tokens instead of the ELBO's
+    1/t weights: lower variance, and the confidence-threshold decoder only needs good per-token
+    posteriors at every rate. (With ``data.rows=documents`` a row is one document followed by pad
+    ids inside its segment, so the pad tail takes loss: the old layout, kept for the ablation.)
     """
     cfg = model.cfg
     tokens = batch["tokens"][:, :-1]
-    valid = batch["segment_ids"][:, :-1] != 0
+    seg = batch["segment_ids"][:, :-1]
+    positions = segment_positions(seg)
+    valid = (seg != 0) & (positions > 0)
     b, length = tokens.shape
     k_t, k_u = jax.random.split(key)
-    num_blocks = -(-length // cfg.block_size)
-    rate = jax.random.uniform(k_t, (b, num_blocks), jnp.float32)
-    rate = jnp.repeat(rate, cfg.block_size, axis=1)[:, :length]
+    rate = jax.random.uniform(k_t, (b, length), jnp.float32)
+    rate = jnp.take_along_axis(rate, block_ids(seg, positions, cfg.block_size), axis=1)
     masked = (jax.random.uniform(k_u, (b, length)) < rate) & valid
-    masked = masked.at[:, 0].set(False)
     noisy = jnp.where(masked, cfg.vocab_size, tokens)  # id vocab_size is the mask token
-    logits = model.training_logits(noisy, tokens)
+    logits = model.training_logits(noisy, tokens, seg, positions)
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
     w = masked.astype(jnp.float32)

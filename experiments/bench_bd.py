@@ -1,0 +1,215 @@
+"""`relf-jax bench bd`: block diffusion vs AR on `synthetic_chat` under the exact judge, per budget.
+
+Composition only (every step is a `relf_jax.workflows` call). For each training budget (optimizer
+steps; default 600 and 1,200 on the `cpu` preset, ``--budgets`` to change) it trains an AR model and
+a block-diffusion model of the same width and depth on the same data, batch and row length, and
+samples whole conversations (unconditional, up to ``seq_len`` tokens) from both:
+
+- AR: the temperature sweep that block-diffusion rows are compared against at matched entropy
+  (AR gen PPL interpolated in log space at the row's entropy, `ar_ppl_at_entropy`);
+- block diffusion (block ``model.block_size``, threshold ``sample.threshold``): the default
+  decoder (a position's confidence is its top probability) at temperatures `BD_TEMPERATURES`,
+  greedy, and the old commit rule (confidence of the sampled token) at T = 1.
+
+Each row carries gen PPL, entropy, mean words, and for block diffusion the output tokens committed
+per denoising step. The report states the text tokens one optimizer step trains on for each family
+(AR: packed rows; block diffusion: whole conversations packed per row, each filled up to whole
+blocks, `relf_jax.workflows.row_mode`), so "the same budget" is given in steps and in text tokens.
+``--ablation`` adds, at the first budget, a block-diffusion model trained on the old layout (one
+conversation per row, its pad tail in the loss: ``data.rows=documents``).
+
+Rows are written as they are measured; a rerun with the same ``--out`` keeps the rows it finds
+there (same method, variant and budget) and measures only the missing ones, and the models are
+cached in the workdir. A plot of gen PPL vs entropy per budget is written next to ``--out``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from experiments.bench_relf import AR_TEMPERATURES, QUICK_AR_TEMPERATURES, ar_ppl_at_entropy
+from relf_jax.config import make_config
+
+BUDGETS = (600, 1200)
+BD_TEMPERATURES = (0.8, 0.9, 1.0)
+QUICK_BD_TEMPERATURES = (1.0,)
+TARGET_RATIO, TARGET_TOKENS_PER_STEP = 1.5, 1.5
+
+
+def text_tokens_per_step(cfg, builder, tok, rows: str, align: int, batches: int = 20) -> float:
+    """Mean non-pad tokens in the loss of one training batch under a row layout."""
+    from relf_jax.data import pipeline
+
+    it = pipeline.make_iterator(builder, "train", tok, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
+                                seed=cfg.train.seed, rows=rows, align=align)
+    total = 0
+    for _ in range(batches):
+        x = next(it)
+        t, s = x["tokens"][:, :-1], x["segment_ids"][:, :-1]
+        total += int(((t != tok.pad_id) & (s != 0)).sum())
+    return total / batches
+
+
+def bench_bd(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),
+             budgets: Sequence[int] | None = None, ablation: bool = False) -> dict:
+    from relf_jax import workflows
+
+    preset = "tiny" if quick else "cpu"
+    root = os.path.abspath(workdir or os.path.join("runs", f"bench_bd_{preset}"))
+    budgets = tuple(budgets or ((60, 120) if quick else BUDGETS))
+    n = 32 if quick else 256
+    ar_temps = QUICK_AR_TEMPERATURES if quick else AR_TEMPERATURES
+    bd_temps = QUICK_BD_TEMPERATURES if quick else BD_TEMPERATURES
+    t0 = time.perf_counter()
+    old = []
+    if os.path.exists(out):
+        with open(out) as f:
+            old = json.load(f).get("rows", [])
+    rows: list[dict] = []
+
+    def have(**kw):
+        return next((r for r in old if all(r.get(k) == v for k, v in kw.items())), None)
+
+    def record(row):
+        rows.append(row)
+        workflows.write_json(out, {"preset": preset, "complete": False, "rows": rows})
+        extra = f"  {row['tokens_per_step']:.2f} tokens/step" if row.get("tokens_per_step") else ""
+        print(f"[bench bd] {row['train_steps']:>5} steps {row['method']:>28}: gen PPL {row['gen_ppl']:8.2f}  "
+              f"entropy {row['entropy']:.2f}  {row['mean_tokens']:.1f} words{extra}", flush=True)
+
+    def measure(key: dict, run):
+        row = have(**key)
+        if row is None:
+            s = run()
+            q = workflows.evaluate_samples(s, judge)
+            row = {**key, "gen_ppl": q["gen_ppl"], "entropy": q["entropy"], "mean_tokens": q["mean_tokens"],
+                   "distinct_2": q["distinct_2"], "complete": float(np.mean(s.complete)), "seconds": s.seconds}
+            if s.denoise_steps:
+                row.update(tokens_per_step=s.tokens / s.denoise_steps,
+                           denoise_steps_per_sample=s.denoise_steps / len(s.texts))
+        record(row)
+
+    layout = {}
+    judge = None
+    plans = [(steps, "bd", []) for steps in budgets]
+    if ablation:
+        plans.append((budgets[0], "bd_documents", ["data.rows=documents"]))
+    for steps in budgets:
+        wd = os.path.join(root, f"steps{steps}")
+        cfg = make_config(preset, [*overrides, f"train.steps={steps}"], workdir=wd)
+        if judge is None:
+            judge = workflows.exact_judge(cfg)
+            builder = workflows.prepare_data(cfg)
+            tok = workflows.prepare_tokenizer(cfg, builder)
+            bd_cfg = make_config(preset, [*overrides, "model=bd"], workdir=wd)
+            layout = {"ar": text_tokens_per_step(cfg, builder, tok, workflows.row_mode(cfg), 1),
+                      "bd": text_tokens_per_step(bd_cfg, builder, tok, workflows.row_mode(bd_cfg),
+                                                 bd_cfg.model.block_size),
+                      "bd_documents": text_tokens_per_step(bd_cfg, builder, tok, "documents", 1)}
+        workflows.train_lm(cfg)
+        ar_lm = workflows.load_model(wd, "ar")
+        for t in ar_temps:
+            sc = dataclasses.replace(ar_lm.cfg.sample, temperature=t, top_k=0, top_p=1.0,
+                                     max_new_tokens=cfg.data.seq_len - 1, num_samples=n)
+            measure({"method": f"ar T={t:g}", "variant": "ar", "train_steps": steps, "temperature": t},
+                    lambda sc=sc: workflows.sample(ar_lm, n=n, sample_cfg=sc))
+    for steps, variant, extra in plans:
+        wd = os.path.join(root, f"steps{steps}" if variant == "bd" else f"steps{steps}_{variant}")
+        bcfg = make_config(preset, [*overrides, f"train.steps={steps}", "model=bd", *extra], workdir=wd)
+        workflows.train_lm(bcfg)
+        lm = workflows.load_model(wd, "bd")
+        runs = [(t, "max") for t in bd_temps] + [(0.0, "max"), (1.0, "sampled")]
+        if variant != "bd":
+            runs = [(1.0, "max"), (1.0, "sampled")]
+        for t, rule in runs:
+            sc = dataclasses.replace(lm.cfg.sample, temperature=t, confidence=rule, num_samples=n,
+                                     max_new_tokens=bcfg.data.seq_len - 1)
+            name = f"bd T={t:g}" + ("" if rule == "max" else " sampled-confidence")
+            measure({"method": name, "variant": variant, "train_steps": steps, "temperature": t, "confidence": rule,
+                     "threshold": sc.threshold, "block_size": lm.model_cfg.block_size},
+                    lambda sc=sc: workflows.sample_bd(lm, n=n, sample_cfg=sc))
+
+    base = make_config(preset, list(overrides))
+    report = {"preset": preset, "complete": True, "num_samples": n, "budgets_steps": list(budgets),
+              "text_tokens_per_step": layout,
+              "text_tokens": {f"{fam}_steps{s}": layout[fam] * s for fam in layout for s in budgets},
+              "positions_per_step": base.train.batch_size * base.data.seq_len,
+              "rows": rows, "targets": targets(rows, budgets), "judge": judge.name,
+              "wall_s": time.perf_counter() - t0}
+    workflows.write_json(out, report)
+    plot(rows, budgets, os.path.splitext(out)[0] + "_quality.png")
+    print(json.dumps(report["targets"], indent=2))
+    return report
+
+
+def targets(rows: Sequence[dict], budgets: Sequence[int]) -> dict:
+    """Per budget: each default block-diffusion row's gen PPL over AR's at its entropy (AR sweep of
+    the same budget, interpolated; `entropy_outside_ar_sweep_nats` > 0 means extrapolated), its
+    tokens per denoising step; the row nearest AR's entropy range is the headline; and whether gen
+    PPL falls with budget (T = 1 rows)."""
+    out = {}
+    curve = []
+    for steps in budgets:
+        ar = [r for r in rows if r["variant"] == "ar" and r["train_steps"] == steps and r["gen_ppl"]]
+        bd = [r for r in rows if r["variant"] == "bd" and r["train_steps"] == steps and r.get("confidence") == "max"
+              and r["temperature"] > 0]
+        if not ar or not bd:
+            continue
+        per = {}
+        for r in bd:
+            ppl, gap = ar_ppl_at_entropy(ar, r["entropy"])
+            per[r["method"]] = {"gen_ppl": r["gen_ppl"], "entropy": r["entropy"], "ar_gen_ppl_interpolated": ppl,
+                                "entropy_outside_ar_sweep_nats": gap, "ratio": r["gen_ppl"] / ppl,
+                                "tokens_per_step": r.get("tokens_per_step")}
+        best = min(per.values(), key=lambda x: (x["entropy_outside_ar_sweep_nats"] > 0, x["ratio"]))
+        out[f"steps{steps}"] = {"rows": per, "headline": best,
+                                "ratio_target": f"<= {TARGET_RATIO}", "tokens_per_step_target": f">= {TARGET_TOKENS_PER_STEP}",
+                                "ratio_met": best["ratio"] <= TARGET_RATIO and best["entropy_outside_ar_sweep_nats"] == 0,
+                                "tokens_per_step_met": (best["tokens_per_step"] or 0) >= TARGET_TOKENS_PER_STEP}
+        t1 = next((r for r in bd if r["temperature"] == 1.0), None)
+        if t1 is not None:
+            curve.append((steps, t1["gen_ppl"], t1["entropy"]))
+    if curve:
+        out["bd_t1_gen_ppl_by_budget"] = {str(s): {"gen_ppl": p, "entropy": e} for s, p, e in curve}
+        out["bd_t1_gen_ppl_falls_with_budget"] = all(b[1] < a[1] for a, b in zip(curve, curve[1:]))
+    return out
+
+
+def plot(rows: Sequence[dict], budgets: Sequence[int], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for i, steps in enumerate(budgets):
+        color = f"C{i}"
+        ar = sorted((r["entropy"], r["gen_ppl"]) for r in rows if r["variant"] == "ar" and r["train_steps"] == steps
+                    and r["gen_ppl"])
+        if ar:
+            ax.plot(*zip(*ar), "-o", color=color, ms=3, label=f"AR sweep, {steps} steps")
+        bd = [r for r in rows if r["variant"] == "bd" and r["train_steps"] == steps and r["gen_ppl"]]
+        for r in bd:
+            marker = "x" if r.get("confidence") == "sampled" else ("s" if r["temperature"] == 0 else "^")
+            ax.scatter(r["entropy"], r["gen_ppl"], marker=marker, color=color, s=40)
+            ax.annotate(f"T={r['temperature']:g}" + (" old rule" if r.get("confidence") == "sampled" else ""),
+                        (r["entropy"], r["gen_ppl"]), textcoords="offset points", xytext=(3, 3), fontsize=7)
+    for r in rows:
+        if r["variant"] == "bd_documents" and r["gen_ppl"]:
+            ax.scatter(r["entropy"], r["gen_ppl"], marker="v", color="gray", s=40)
+            ax.annotate(f"old layout T={r['temperature']:g}" + (" old rule" if r.get("confidence") == "sampled"
+                                                                 else ""),
+                        (r["entropy"], r["gen_ppl"]), textcoords="offset points", xytext=(3, -9), fontsize=7)
+    ax.set_yscale("log")
+    ax.set_xlabel("mean unigram entropy (nats)")
+    ax.set_ylabel("gen PPL (exact judge)")
+    ax.set_title("block diffusion (markers) vs AR sweeps (lines)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
