@@ -18,10 +18,16 @@ Variants, all on fixed Gaussian embeddings (non-degenerate, row norm `embed_norm
 - ``aux_per_position``: both extensions;
 - ``blind_spot``: the blind-spot network (``flow.blind_spot``: the model's layers split into a
   left-to-right and a right-to-left stream, so the residual at a position never sees that
-  position) trained as the context classifier p(x_i | Z_{-i}); sampling adds the singular logits.
+  position) trained as the context classifier p(x_i | Z_{-i}); sampling adds the singular logits;
+  self-conditioning off, like the other trained variants;
+- ``default``: the shipped default ReLF exactly as ``model=relf`` trains and samples it (today the
+  context-reading network with the context loss, self-conditioning and guidance as configured).
 
 Reported per variant and sampler (Euler, stochastic; `nfe` steps): the share of samples that are
-a data row, and the CE of the posterior at the word positions at a few times t.
+a data row (``valid_share``), the share of distinct rows among the samples (``distinct_share``;
+a sampler that always writes the same valid row reads valid 1.0 and distinct 1 / samples), the
+entropy of the sampled rows' empirical distribution (``sample_entropy``, nats; the data's is
+log(words)), and the CE of the posterior at the word positions at a few times t.
 Measured (`benchmarks/relf_toy_cpu.json`, README's ReLF section): at 600 steps the shipped
 parametrisation returns no sample that is a data row (its posterior is the positional prior's);
 the network without singular logits returns only data rows; the auxiliary head recovers part
@@ -124,6 +130,19 @@ def valid_share(samples: np.ndarray, rows: np.ndarray) -> float:
     return float(np.mean([(data == s).all(1).any() for s in samples]))
 
 
+def distinct_share(samples: np.ndarray) -> float:
+    """Distinct rows among the sampled rows [n, L], over n: 1 / n for a collapsed sampler."""
+    return len({tuple(r) for r in np.asarray(samples).tolist()}) / max(len(samples), 1)
+
+
+def sample_entropy(samples: np.ndarray) -> float:
+    """Entropy (nats) of the empirical distribution of the sampled rows [n, L]: 0 for a collapsed
+    sampler, log(words) for one that draws the toy's rows uniformly (and at most log n)."""
+    _, counts = np.unique(np.asarray(samples), axis=0, return_counts=True)
+    p = counts / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
 def word_ce(residual, table, rows, *, t: float, c, use_singular: bool, n: int = 64, seed: int = 7) -> float:
     """Mean CE (nats) of the posterior at the word positions of `n` data rows noised to time t."""
     from relf_jax.flow.singular import interpolate, posterior_logits
@@ -140,7 +159,11 @@ def word_ce(residual, table, rows, *, t: float, c, use_singular: bool, n: int = 
 
 
 def _train(sz: ToySizes, rows, table, *, use_singular: bool = True, aux_weight: float = 0.0,
-           per_position_t: float = 0.0, blind_spot: bool = False, workdir: str, overrides: Sequence[str]):
+           per_position_t: float = 0.0, blind_spot: bool = False, default: bool = False, workdir: str,
+           overrides: Sequence[str]):
+    """Train one variant; ``default``: the settings ``model=relf`` trains with (`overrides` apply),
+    else the paper's parametrisation with the named changes (self-conditioning off)."""
+    from relf_jax import workflows
     from relf_jax.flow.losses import FlowLossSettings, make_flow_loss
     from relf_jax.train.loop import train
 
@@ -148,23 +171,27 @@ def _train(sz: ToySizes, rows, table, *, use_singular: bool = True, aux_weight: 
                                   "train.progress=false", f"train.checkpoint_every={sz.steps}",
                                   f"train.eval_every={sz.steps}", f"train.seed={sz.seed}", *overrides],
                       workdir=workdir)
+    if default:
+        settings = workflows.flow_loss_settings(cfg)
+        blind_spot = cfg.flow.blind_spot
+    else:
+        settings = FlowLossSettings(residual_bound=cfg.flow.residual_bound, use_singular=use_singular,
+                                    self_condition_prob=0.0, aux_weight=aux_weight, per_position_t=per_position_t,
+                                    context_loss=blind_spot)
     model_cfg = dataclasses.replace(cfg.model, vocab_size=sz.vocab, max_seq_len=sz.length,
-                                    flow_embed_dim=sz.embed_dim, flow_aux_head=aux_weight > 0,
+                                    flow_embed_dim=sz.embed_dim, flow_aux_head=settings.aux_weight > 0,
                                     flow_blind_spot=blind_spot)
-    settings = FlowLossSettings(residual_bound=cfg.flow.residual_bound, use_singular=use_singular,
-                                self_condition_prob=0.0, aux_weight=aux_weight, per_position_t=per_position_t,
-                                context_loss=blind_spot)
     res = train(cfg, model_cfg, make_flow_loss(settings), ToyBatches(rows, sz.batch, sz.seed), workdir=workdir,
                 tensorboard=False, frozen={"embeddings": table})
-    return res, cfg.flow.residual_bound
+    return res, cfg
 
 
-VARIANTS = ("exact", "singular", "no_singular", "aux", "per_position", "aux_per_position", "blind_spot")
+VARIANTS = ("exact", "default", "singular", "no_singular", "aux", "per_position", "aux_per_position", "blind_spot")
 # the trained variants' loss settings beyond the shipped ones (names of ToySizes fields for the values)
 _TRAINED = {"singular": {}, "no_singular": {"use_singular": False}, "aux": {"aux_weight": "aux_weight"},
             "per_position": {"per_position_t": "per_position_t"},
             "aux_per_position": {"aux_weight": "aux_weight", "per_position_t": "per_position_t"},
-            "blind_spot": {"blind_spot": True}}
+            "blind_spot": {"blind_spot": True}, "default": {"default": True}}
 
 
 def bench_relf_toy(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),
@@ -186,28 +213,42 @@ def bench_relf_toy(out: str, quick: bool = False, workdir: str | None = None, ov
         raise ValueError(f"unknown variants {sorted(unknown)}; valid: {', '.join(VARIANTS)}")
     for variant in variants:
         use_singular = variant != "no_singular"
+        sampling = {}  # sampler settings beyond the paper's (the default variant's own config)
         if variant == "exact":
             # bound 1e4: in effect none, while the final decode at t = 1 keeps the singular logits alone
             residual, c = exact_residual(rows, table), 1e4
         else:
             extra = {k: (getattr(sz, v) if isinstance(v, str) else v) for k, v in _TRAINED[variant].items()}
-            res, c = _train(sz, rows, table, workdir=os.path.join(root, variant), overrides=overrides, **extra)
+            res, cfg = _train(sz, rows, table, workdir=os.path.join(root, variant), overrides=overrides, **extra)
+            c = cfg.flow.residual_bound
+            if variant == "default":
+                f = cfg.flow
+                sampling = {"guidance": f.guidance, "grid": f.grid, "gamma": f.gamma, "renoise": f.renoise,
+                            "use_singular": f.use_singular}
+                use_singular = f.use_singular
 
-            def residual(z, t, sc, *unused, g=res.graphdef, p=res.params):
-                # trained without self-conditioning: it always saw sc = 0, so it gets 0 here too
-                return nnx.merge(g, p)(z, jnp.zeros_like(sc), t)
+                def residual(z, t, sc, *unused, g=res.graphdef, p=res.params):
+                    return nnx.merge(g, p)(z, sc, t)  # self-conditioning as trained
+            else:
+                def residual(z, t, sc, *unused, g=res.graphdef, p=res.params):
+                    # trained without self-conditioning: it always saw sc = 0, so it gets 0 here too
+                    return nnx.merge(g, p)(z, jnp.zeros_like(sc), t)
         ce = {f"{t:g}": word_ce(residual, table, rows, t=t, c=c, use_singular=use_singular)
               for t in sz.probe_times}
         for sampler in ("euler", "stochastic"):
-            st = FlowSamplerSettings(nfe=sz.nfe, sampler=sampler, c=c, use_singular=use_singular)
+            st = FlowSamplerSettings(nfe=sz.nfe, sampler=sampler, c=c, **{"use_singular": use_singular, **sampling})
             draw = jax.jit(lambda k, st=st, fn=residual: flow_sample(k, fn, table, st, batch=sz.samples,
                                                                       length=sz.length)[0])
             samples = np.asarray(draw(jax.random.key(sz.seed + 1)))
             row = {"variant": variant, "sampler": sampler, "nfe": sz.nfe,
-                   "valid_share": valid_share(samples, rows), "word_ce": ce}
+                   "valid_share": valid_share(samples, rows), "distinct_share": distinct_share(samples),
+                   "sample_entropy": sample_entropy(samples), "data_entropy": float(np.log(sz.words)),
+                   "word_ce": ce}
             result["rows"].append(row)
             print(f"[bench relf-toy] {variant:>16} {sampler:>10}: valid rows {row['valid_share']:.3f}  "
-                  f"word CE at t={list(ce)}: {[round(v, 2) for v in ce.values()]}", flush=True)
+                  f"distinct {row['distinct_share']:.3f}  entropy {row['sample_entropy']:.2f} / "
+                  f"{row['data_entropy']:.2f}  word CE at t={list(ce)}: {[round(v, 2) for v in ce.values()]}",
+                  flush=True)
             _write_json(out, {**result, "complete": False})
     result["wall_s"] = time.perf_counter() - t0
     _write_json(out, {**result, "complete": True})

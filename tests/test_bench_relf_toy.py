@@ -14,6 +14,9 @@ from experiments.bench_relf_toy import (
     ToySizes,
     bench_relf_toy,
     candidate_rows,
+    distinct_share,
+    exact_residual,
+    sample_entropy,
     valid_share,
 )
 
@@ -38,12 +41,17 @@ def test_bench_relf_toy_runs_and_the_exact_posterior_samples_valid_rows(tmp_path
     sz = ToySizes(preset="tiny", steps=4, batch=8, words=6, repeats=4, length=8, vocab=16, samples=32, nfe=8,
                   probe_times=(0.5,))
     out = tmp_path / "toy.json"
-    # the shipped parametrisation only (the no_singular variant trains the same way)
-    bench_relf_toy(str(out), workdir=str(tmp_path / "runs"), sizes=sz, variants=("exact", "singular"))
+    # the paper's parametrisation and the default (the no_singular variant trains like the former)
+    bench_relf_toy(str(out), workdir=str(tmp_path / "runs"), sizes=sz, variants=("exact", "singular", "default"))
     report = json.loads(out.read_text())
     assert report["complete"] and report["sizes"]["words"] == 6
     rows = {(r["variant"], r["sampler"]): r for r in report["rows"]}
-    assert set(rows) == {(v, s) for v in ("exact", "singular") for s in ("euler", "stochastic")}
+    assert set(rows) == {(v, s) for v in ("exact", "singular", "default") for s in ("euler", "stochastic")}
+    for r in report["rows"]:
+        assert 0 < r["distinct_share"] <= 1 and 0 <= r["sample_entropy"] <= np.log(32) + 1e-9
+    # the exact posterior draws the six rows about uniformly: many distinct rows, near-data entropy
+    assert rows["exact", "stochastic"]["distinct_share"] == 6 / 32
+    assert rows["exact", "stochastic"]["sample_entropy"] > 0.8 * np.log(6)
     # the samplers with the exact posterior return data rows: the reference every model is read against
     assert rows["exact", "euler"]["valid_share"] >= 0.9 and rows["exact", "stochastic"]["valid_share"] >= 0.9
     assert rows["exact", "euler"]["word_ce"]["0.5"] < 0.1
@@ -52,3 +60,23 @@ def test_bench_relf_toy_runs_and_the_exact_posterior_samples_valid_rows(tmp_path
     assert all(0.0 <= r["valid_share"] <= 1.0 for r in report["rows"])
     with pytest.raises(ValueError, match="unknown variants"):
         bench_relf_toy(str(out), sizes=sz, variants=("exact", "nope"))
+
+
+def test_a_collapsed_sampler_reads_valid_but_not_distinct():
+    """A denoiser whose data is one row returns that row every time: valid share 1, distinct
+    share 1 / n (~0), sample entropy 0: what valid share alone would have hidden."""
+    import jax
+    import jax.numpy as jnp
+
+    from relf_jax.flow.embeddings import gaussian_embeddings
+    from relf_jax.flow.samplers import FlowSamplerSettings, sample
+
+    sz = ToySizes(words=6, repeats=4, length=8, vocab=16)
+    rows = candidate_rows(sz)
+    table = jnp.asarray(gaussian_embeddings(sz.vocab, 8, seed=0, norm=3.0))
+    collapsed = exact_residual(rows[2:3], table)  # the exact denoiser of a one-row data set
+    samples = np.asarray(sample(jax.random.key(0), collapsed, table,
+                                FlowSamplerSettings(nfe=8, sampler="stochastic", c=1e4), batch=64, length=8)[0])
+    assert valid_share(samples, rows) == 1.0
+    assert distinct_share(samples) == 1 / 64 and sample_entropy(samples) == 0.0
+    assert distinct_share(rows[:, :8]) == 1.0 and sample_entropy(rows[:, :8]) == pytest.approx(np.log(6))
