@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -406,6 +407,11 @@ class Batcher:
         if reason in ("stop", "length"):
             self.stats.e2e_sum += end - live.arrival
             self.stats.e2e_count += 1
+            try:  # the engine may learn from what it answered (`Engine.request_finished`)
+                self.engine.request_finished(live.req.prompt, live.ids)
+            except Exception as e:  # never fails the request; said on stderr
+                print(f"[batcher] {self.engine.name}: request_finished failed: {type(e).__name__}: {e}",
+                      file=sys.stderr, flush=True)
         usage = {"prompt_tokens": len(live.req.prompt), "completion_tokens": live.generated,
                  "total_tokens": len(live.req.prompt) + live.generated,
                  "queue_s": (live.admitted or end) - live.arrival,

@@ -220,6 +220,11 @@ class Engine(abc.ABC):
         call saved per finished request). False is always correct.
         """
 
+    def request_finished(self, prompt: Sequence[int], reply: Sequence[int]) -> None:
+        """Called by the batcher when a request ends with a reply (finish "stop" or "length"),
+        with its prompt and reply ids. Does nothing here; a speculative engine with an online
+        n-gram table counts them (`SpeculativeEngine.update_ngram_table`)."""
+
     def reserve(self) -> int:
         """Context positions a request needs beyond prompt + max_tokens (speculative: k + 1)."""
         return 0
@@ -779,7 +784,9 @@ class SpeculativeEngine(_SpanSized, Engine):
 
     rule: "standard" (exact), "nsd" (nucleus relaxation, `nsd_top_p`) or "greedy"; proposer:
     "draft" (needs `draft`, a loaded AR model with the same tokenizer), "prompt_lookup" or
-    "corpus_ngram" (needs `ngram_table`, an `NgramDraft` built from the target's training data).
+    "corpus_ngram" (needs `ngram_table`, an `NgramDraft`, or `ngram_online`, an
+    `relf_jax.speculative.ngram_draft.OnlineNgram` that counts the requests served and whose
+    new tables `request_finished` swaps in, `update_ngram_table`).
     Implements every `SAMPLING_FEATURES` entry per request, on the target's distribution (the
     round's processed verification, `relf_jax.speculative.generate`).
     """
@@ -788,16 +795,20 @@ class SpeculativeEngine(_SpanSized, Engine):
 
     def __init__(self, lm, draft=None, num_slots: int = 8, *, rule: str = "nsd", k: int = 4,
                  proposer: str = "draft", nsd_top_p: float = 0.9, ngram: int = 3, steps_per_call: int = 1,
-                 name: str | None = None, max_context: int | None = None, ngram_table=None):
+                 name: str | None = None, max_context: int | None = None, ngram_table=None,
+                 ngram_online=None):
         from relf_jax.speculative import generate as spec
 
         if num_slots < 1:
             raise UserError(f"num_slots must be >= 1, got {num_slots}")
         if proposer == "draft" and draft is None:
             raise UserError("the speculative engine with proposer 'draft' needs a draft model")
+        if proposer == "corpus_ngram" and ngram_table is None and ngram_online is not None:
+            ngram_table = ngram_online.table
         if proposer == "corpus_ngram":
             spec.check_ngram_table(ngram_table, lm.model_cfg.vocab_size)
         self.ngram_table = ngram_table if proposer == "corpus_ngram" else None
+        self.ngram_online = ngram_online if proposer == "corpus_ngram" else None
         self._spec = spec
         self.lm, self.draft, self.num_slots = lm, (draft if proposer == "draft" else None), num_slots
         self.rule, self.k, self.proposer, self.nsd_top_p, self.ngram = rule, k, proposer, nsd_top_p, ngram
@@ -834,6 +845,22 @@ class SpeculativeEngine(_SpanSized, Engine):
         return self._spec.SpecSettings(k=self.k, rule=self.rule, proposer=self.proposer,
                                        max_new_tokens=max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
                                        ngram=self.ngram, track_tokens=True)
+
+    def update_ngram_table(self, table) -> None:
+        """Use `table` (an `NgramDraft`) from the next prefill / step on. It must have the current
+        table's shapes (`ngram_draft.same_shapes`), so the jitted calls do not recompile. Safe
+        between steps and exact: the table is only the proposal distribution."""
+        from relf_jax.speculative import ngram_draft
+
+        if self.ngram_table is None:
+            raise ValueError(f"the {self.name} engine has no n-gram table (proposer {self.proposer!r})")
+        if not ngram_draft.same_shapes(self.ngram_table, table):
+            raise ValueError("the new n-gram table's shapes differ from the current one's (a recompile)")
+        self.ngram_table = table
+
+    def request_finished(self, prompt, reply) -> None:
+        if self.ngram_online is not None and self.ngram_online.add([*prompt, *reply]):
+            self.update_ngram_table(self.ngram_online.table)
 
     def reserve(self) -> int:
         return self.k + 1

@@ -11,6 +11,13 @@ from it after the same temperature / top-k / top-p transform the target gets. Th
 receives q as the draft's logits, so the standard rule stays exact: q is a distribution like
 any draft model's, only cheaper (a few gathers instead of K forward passes).
 
+Fixed shapes: with `capacity`, every context length keeps exactly that many rows (the most
+frequent contexts; empty rows pad the rest and never match), so a table rebuilt from new text
+has the shapes of the old one and a jitted step that takes it does not recompile. `OnlineNgram`
+uses this to count the traffic a server answers (prompts and replies, bounded in memory) and
+swap the new table in between engine steps: the table is only a proposal distribution, so any
+table, old or new, keeps the standard rule exact.
+
 Keys: a context t_1..t_c hashes to ``h = h * 1_000_003 + (t + 1)`` in wrapping int32
 arithmetic (numpy and XLA wrap alike). Two contexts of one length that collide share a row
 (their counts merged): the draft gets worse there, never inexact.
@@ -18,7 +25,9 @@ arithmetic (numpy and XLA wrap alike). Two contexts of one length that collide s
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import collections
+import threading
+from typing import Iterable, Optional, Sequence
 
 import flax.struct
 import jax
@@ -33,6 +42,7 @@ FILE_NAME = "ngram_draft.npz"
 # index (context -> row, one gather) next to the sorted keys, instead of a binary search that
 # XLA:CPU runs as a while loop of ~17 tiny steps (rounds 1.03-1.05x faster at order 3, V = 1024)
 DENSE_LIMIT = 1 << 22
+EMPTY_KEY = np.iinfo(np.int32).max  # the key of a padding row (its log-probabilities are all -inf)
 
 
 @flax.struct.dataclass
@@ -92,12 +102,13 @@ def with_dense_index(table: NgramDraft) -> NgramDraft:
         if v ** c > DENSE_LIMIT or v * sum(HASH_MULT ** j for j in range(c)) >= 2 ** 31:
             dense.append(jnp.zeros((0,), jnp.int32))
             continue
-        k = np.asarray(keys, np.int64)
+        filled = np.flatnonzero(np.isfinite(np.asarray(table.logp[c - 1])[:, 0]))  # padding rows: none
+        k = np.asarray(keys, np.int64)[filled]
         code = np.zeros_like(k)
         for j in range(c):  # most significant digit first: t_1 .. t_c
             code = code * v + (k // HASH_MULT ** (c - 1 - j)) % HASH_MULT - 1
         index = np.full(v ** c, -1, np.int32)
-        index[code] = np.arange(k.size, dtype=np.int32)
+        index[code] = filled.astype(np.int32)
         dense.append(jnp.asarray(index))
     return table.replace(dense=tuple(dense))
 
@@ -118,20 +129,30 @@ def _keys(ctx: jax.Array) -> jax.Array:
     return h
 
 
-def _top_rows(keys: np.ndarray, nxt: np.ndarray, top_m: int, min_count: int):
-    """Group (key, next) pairs: sorted unique keys, their top-M next tokens and log-probs."""
-    pair = np.stack([keys.astype(np.int64), nxt.astype(np.int64)], axis=1)
-    uniq, counts = np.unique(pair, axis=0, return_counts=True)  # sorted by key, then next token
-    k, t = uniq[:, 0], uniq[:, 1]
+def _top_rows(keys: np.ndarray, nxt: np.ndarray, top_m: int, min_count: int, capacity: Optional[int] = None):
+    """Group (key, next) pairs: sorted unique keys, their top-M next tokens and log-probs.
+
+    capacity: keep the `capacity` most frequent contexts (ties: smaller key) and pad to exactly
+    that many rows with empty ones (key `EMPTY_KEY`, token 0, log-probability -inf)."""
+    # one int64 per pair, key in the high half (signed), next token in the low: sorts by key, then
+    # token (a 1-D sort: much faster than np.unique over rows)
+    pair = (keys.astype(np.int64) << 32) | nxt.astype(np.int64)
+    uniq, counts = np.unique(pair, return_counts=True)
+    k, t = uniq >> 32, uniq & 0xFFFFFFFF
     order = np.lexsort((t, -counts, k))  # per key: most frequent first, ties by token id
     k, t, counts = k[order], t[order], counts[order]
-    starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
-    totals = np.add.reduceat(counts, starts)
+    starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]]) if k.size else np.zeros(0, np.int64)
+    totals = np.add.reduceat(counts, starts) if k.size else np.zeros(0, np.int64)
     rank = np.arange(len(k)) - np.repeat(starts, np.diff(np.r_[starts, len(k)]))
     keep_ctx = totals >= min_count
+    if capacity is not None and keep_ctx.sum() > capacity:
+        by_count = np.argsort(np.where(keep_ctx, -totals, 1), kind="stable")  # contexts are in key order
+        keep_ctx = np.zeros_like(keep_ctx)
+        keep_ctx[by_count[:capacity]] = True
     n_ctx = int(keep_ctx.sum())
-    tokens = np.zeros((n_ctx, top_m), np.int32)
-    cnt = np.zeros((n_ctx, top_m), np.float64)
+    rows = n_ctx if capacity is None else capacity
+    tokens = np.zeros((rows, top_m), np.int32)
+    cnt = np.zeros((rows, top_m), np.float64)
     row_of = np.cumsum(keep_ctx) - 1  # context index -> output row
     ctx_id = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(k)]))
     sel = (rank < top_m) & keep_ctx[ctx_id]
@@ -139,37 +160,109 @@ def _top_rows(keys: np.ndarray, nxt: np.ndarray, top_m: int, min_count: int):
     cnt[row_of[ctx_id[sel]], rank[sel]] = counts[sel]
     with np.errstate(divide="ignore"):
         logp = np.log(cnt / np.maximum(cnt.sum(axis=1, keepdims=True), 1)).astype(np.float32)
-    return k[starts][keep_ctx].astype(np.int32), tokens, logp
+    out_keys = np.full(rows, EMPTY_KEY, np.int32)
+    out_keys[:n_ctx] = k[starts][keep_ctx]
+    return out_keys, tokens, logp
 
 
 def build_ngram_draft(rows: Iterable[Sequence[int]], vocab_size: int, *, order: int = 3, top_m: int = 16,
-                      min_count: int = 1) -> NgramDraft:
-    """Count next tokens after every context of 1 .. order - 1 tokens in `rows` (token id lists)."""
+                      min_count: int = 1, capacity: Optional[int] = None) -> NgramDraft:
+    """Count next tokens after every context of 1 .. order - 1 tokens in `rows` (token id lists).
+
+    capacity: exactly this many rows per context length (the most frequent contexts; empty rows
+    pad the rest), so tables built from different text have equal shapes. With a capacity,
+    `rows` may be empty: the table then proposes token 0 (any proposal keeps the rule exact).
+    """
     if order < 2:
         raise UserError(f"an n-gram draft needs order >= 2, got {order}")
     if top_m < 1 or min_count < 1:
         raise UserError(f"top_m and min_count must be >= 1, got {top_m} and {min_count}")
-    rows = [np.asarray(r, np.int64) for r in rows if len(r) >= 1]
-    if not rows:
+    if capacity is not None and capacity < 1:
+        raise UserError(f"an n-gram table's capacity must be >= 1, got {capacity}")
+    rows = [np.asarray(r, np.int64).reshape(-1) for r in rows if len(r) >= 1]
+    if not rows and capacity is None:
         raise UserError("an n-gram draft needs at least one token row")
-    flat = np.concatenate(rows)
-    if flat.min() < 0 or flat.max() >= vocab_size:
+    flat = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+    if flat.size and (flat.min() < 0 or flat.max() >= vocab_size):
         raise UserError(f"token ids must lie in [0, {vocab_size}), got {flat.min()}..{flat.max()}")
+    lengths = np.array([len(r) for r in rows], np.int64)
+    pos = np.arange(flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # index inside its row
     keys, tokens, logps = [], [], []
     for c in range(1, order):
-        ctx = [np.lib.stride_tricks.sliding_window_view(r[:-1], c) for r in rows if len(r) > c]
-        nxt = [r[c:] for r in rows if len(r) > c]
-        if not ctx:
-            k, t, lp = np.zeros(0, np.int32), np.zeros((0, top_m), np.int32), np.zeros((0, top_m), np.float32)
-        else:
-            k, t, lp = _top_rows(context_keys(np.concatenate(ctx)), np.concatenate(nxt), top_m, min_count)
+        at = np.flatnonzero(pos >= c)  # tokens with c earlier tokens in their row
+        ctx = np.stack([flat[at - c + j] for j in range(c)], axis=1)
+        k, t, lp = _top_rows(context_keys(ctx), flat[at], top_m, min_count, capacity)
         keys.append(jnp.asarray(k))
         tokens.append(jnp.asarray(t))
         logps.append(jnp.asarray(lp))
-    _, ut, ulp = _top_rows(np.zeros(len(flat), np.int32), flat, top_m, 1)
+    if flat.size:
+        _, ut, ulp = _top_rows(np.zeros(len(flat), np.int32), flat, top_m, 1)
+        ut, ulp = ut[0], ulp[0]
+    else:  # nothing counted yet: a point mass on token 0
+        ut, ulp = np.zeros(top_m, np.int32), np.full(top_m, -np.inf, np.float32)
+        ulp[0] = 0.0
     return with_dense_index(NgramDraft(keys=tuple(keys), tokens=tuple(tokens), logp=tuple(logps),
-                                       uni_tokens=jnp.asarray(ut[0]), uni_logp=jnp.asarray(ulp[0]),
+                                       uni_tokens=jnp.asarray(ut), uni_logp=jnp.asarray(ulp),
                                        vocab_size=int(vocab_size)))
+
+
+def same_shapes(a: NgramDraft, b: NgramDraft) -> bool:
+    """True when `b` can replace `a` in a jitted call without a recompile (same tree, shapes, dtypes)."""
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    return ta == tb and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(la, lb))
+
+
+class OnlineNgram:
+    """An n-gram table counted from served traffic, bounded in memory.
+
+    `add` takes a finished request's tokens (its prompt and reply, one row); the newest rows
+    holding at most `max_tokens` tokens are kept (the oldest leave first; a longer row keeps its
+    last `max_tokens`), next to fixed `seed_rows` (e.g. the user's corpus, not counted against
+    the bound). Once `refresh_tokens` new tokens have come in, the table is rebuilt from the
+    seed and the kept rows with `capacity` rows per context length (`build_ngram_draft`), so
+    every table has the first one's shapes. Memory: the kept tokens plus the fixed-size table.
+    Thread-safe.
+    """
+
+    def __init__(self, vocab_size: int, *, order: int = 3, top_m: int = 16, max_tokens: int = 32768,
+                 capacity: int = 16384, refresh_tokens: int = 1, seed_rows: Sequence[Sequence[int]] = ()):
+        if max_tokens < 1 or refresh_tokens < 1:
+            raise UserError(f"the online n-gram table needs max_tokens and refresh_tokens >= 1, got {max_tokens} "
+                            f"and {refresh_tokens}")
+        self.vocab_size, self.order, self.top_m = int(vocab_size), order, top_m
+        self.max_tokens, self.capacity, self.refresh_tokens = int(max_tokens), int(capacity), int(refresh_tokens)
+        self.seed_rows = [np.asarray(r, np.int32).reshape(-1) for r in seed_rows if len(r)]
+        self.rows: collections.deque[np.ndarray] = collections.deque()
+        self.tokens = 0  # kept traffic tokens (<= max_tokens)
+        self.pending = 0  # tokens added since the last build
+        self.builds = 0
+        self._lock = threading.Lock()
+        self.table = self._build()
+
+    def _build(self) -> NgramDraft:
+        self.builds += 1
+        return build_ngram_draft([*self.seed_rows, *self.rows], self.vocab_size, order=self.order, top_m=self.top_m,
+                                 capacity=self.capacity)
+
+    def add(self, tokens: Sequence[int]) -> bool:
+        """Count one row of traffic; True when the table was rebuilt (then read `table`)."""
+        row = np.asarray(tokens, np.int64).reshape(-1)[-self.max_tokens:]
+        if not row.size:
+            return False
+        if row.min() < 0 or row.max() >= self.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
+        with self._lock:
+            self.rows.append(row.astype(np.int32))
+            self.tokens += row.size
+            while self.tokens > self.max_tokens:
+                self.tokens -= self.rows.popleft().size
+            self.pending += row.size
+            if self.pending < self.refresh_tokens:
+                return False
+            self.pending = 0
+            self.table = self._build()
+            return True
 
 
 def next_logits(table: NgramDraft, context: jax.Array, valid: jax.Array) -> jax.Array:
@@ -212,6 +305,8 @@ def next_candidates(table: NgramDraft, context: jax.Array, valid: jax.Array) -> 
             key = _keys(context[:, -c:])
             idx = jnp.clip(jnp.searchsorted(keys, key), 0, keys.shape[0] - 1)
             hit = (keys[idx] == key) & (valid >= c)
+        row_lp = table.logp[c - 1][idx]
+        hit = hit & (row_lp[:, 0] > -jnp.inf)  # an empty (padding) row is no hit
         toks = jnp.where(hit[:, None], table.tokens[c - 1][idx], toks)
-        lp = jnp.where(hit[:, None], table.logp[c - 1][idx], lp)
+        lp = jnp.where(hit[:, None], row_lp, lp)
     return toks, lp
