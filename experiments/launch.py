@@ -22,7 +22,7 @@ Parses arguments and calls library functions; holds no method. Config overrides 
     relf-jax bench hf --out hf.json [--quick]
     relf-jax bench rcsd --out rcsd.json [--quick]
     relf-jax bench dws --out dws.json [--quick]
-    relf-jax bench bd --out bd.json [--quick] [--budgets 600,1200] [--ablation]
+    relf-jax bench bd --out bd.json [--quick] [--budgets 600,1200] [--ablation] [--ar-rows relf.json]
     relf-jax serve --workdir runs/cpu --generator nsd --generator ar --port 8000
     relf-jax serve --model path/to/hf_qwen2_instruct --port 8000
     relf-jax bench serve --out serve.json [--quick]
@@ -109,6 +109,8 @@ def _parser() -> argparse.ArgumentParser:
                                                    "(default 600,1200)")
     b.add_argument("--ablation", action="store_true", help="bench bd only: also the old one-conversation-per-row "
                                                            "layout at the first budget")
+    b.add_argument("--ar-rows", default=None, help="bench bd only: a bench relf report whose AR sweep rows are "
+                                                   "used for the budgets it holds")
 
     ih = sub.add_parser("import-hf", help="a local HuggingFace Llama/Qwen2 directory -> a relf_jax checkpoint")
     ih.add_argument("path", help="directory with config.json, safetensors weights and a tokenizer")
@@ -245,10 +247,11 @@ def _run(args) -> int:
                 from relf_jax.errors import UserError
                 raise UserError("--parts applies to bench serve and bench relf only")
             extra["parts"] = [p.strip() for p in args.parts.split(",") if p.strip()]
-        if args.budgets is not None or args.ablation:
+        if args.budgets is not None or args.ablation or args.ar_rows:
             if args.which != "bd":
                 from relf_jax.errors import UserError
-                raise UserError("--budgets and --ablation apply to bench bd only")
+                raise UserError("--budgets, --ablation and --ar-rows apply to bench bd only")
+            extra["ar_rows"] = args.ar_rows
             try:
                 extra["budgets"] = [int(x) for x in args.budgets.split(",")] if args.budgets else None
             except ValueError:

@@ -596,6 +596,7 @@ class Samples:
     tokens: int  # generated tokens (EOS included)
     target_forwards: int = 0  # target forward passes (AR: one per token)
     denoise_steps: int = 0  # block diffusion: denoising steps (target_forwards less one refresh per block)
+    denoise_commits: int = 0  # block diffusion: positions committed (all positions of the decoded blocks)
 
     @property
     def tokens_per_s(self) -> float:
@@ -775,7 +776,7 @@ def sample_bd(lm: LoadedModel, prompts: Optional[Sequence[str]] = None, n: Optio
     bucket = bdd.prompt_bucket(max(len(x) for x in ids), d)
     bs = sc.batch_size
     key = jax.random.key(sc.seed)
-    texts, token_ids, complete, seconds, total, forwards, steps = [], [], [], 0.0, 0, 0, 0
+    texts, token_ids, complete, seconds, total, forwards, steps, commits = [], [], [], 0.0, 0, 0, 0, 0
     for start in range(0, len(ids), bs):
         chunk = ids[start:start + bs]
         arr, plen = bdd.pad_prompts(chunk + [[tok.bos_id]] * (bs - len(chunk)), tok.pad_id, d, bucket)
@@ -791,11 +792,12 @@ def sample_bd(lm: LoadedModel, prompts: Optional[Sequence[str]] = None, n: Optio
             total += len(out)
             forwards += int(state.steps[i].sum() + state.num_blocks[i])
             steps += int(state.steps[i].sum())
+            commits += d - int(plen[i]) % d + d * (int(state.num_blocks[i]) - 1)  # first block: the prompt's rest
             token_ids.append(body)
             complete.append(done)
             texts.append(tok.decode(body))
     return Samples(texts=texts, token_ids=token_ids, complete=complete, seconds=seconds, tokens=total,
-                   target_forwards=forwards, denoise_steps=steps)
+                   target_forwards=forwards, denoise_steps=steps, denoise_commits=commits)
 
 
 def stream_reply(lm: LoadedModel, prompt: str, sample_cfg: Optional[SampleConfig] = None):

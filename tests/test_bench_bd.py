@@ -1,0 +1,41 @@
+"""`relf-jax bench bd`'s report logic on hand-made rows (the bench itself is a long run)."""
+
+import math
+
+import pytest
+
+from experiments.bench_bd import plot, targets
+
+
+def _ar(steps, pts):
+    return [{"method": f"ar T={t}", "variant": "ar", "train_steps": steps, "temperature": t, "gen_ppl": p,
+             "entropy": e} for t, (e, p) in zip((0.6, 0.8, 1.0), pts)]
+
+
+def _bd(steps, t, e, p, rule="max", per_step=1.6):
+    return {"method": f"bd T={t:g}", "variant": "bd", "train_steps": steps, "temperature": t, "confidence": rule,
+            "gen_ppl": p, "entropy": e, "committed_per_step": per_step, "tokens_per_step": per_step - 0.2}
+
+
+def test_targets_match_entropy_and_budget():
+    rows = (_ar(600, [(3.0, 50.0), (3.2, 100.0), (3.4, 200.0)]) + _ar(1200, [(3.0, 40.0), (3.2, 80.0), (3.4, 160.0)])
+            + [_bd(600, 1.0, 3.1, 120.0), _bd(600, 0.8, 2.5, 30.0), _bd(600, 1.0, 3.1, 60.0, rule="sampled"),
+               _bd(1200, 1.0, 3.3, 150.0, per_step=1.2)])
+    out = targets(rows, (600, 1200))
+    head = out["steps600"]["headline"]
+    # T=1 sits inside the sweep: AR at 3.1 nats is exp(mean(log 50, log 100)) = 70.7; T=0.8 is outside
+    assert head["ar_gen_ppl_interpolated"] == pytest.approx(math.sqrt(50 * 100))
+    assert head["ratio"] == pytest.approx(120 / math.sqrt(5000)) and head["entropy_outside_ar_sweep_nats"] == 0
+    assert out["steps600"]["rows"]["bd T=0.8"]["entropy_outside_ar_sweep_nats"] == pytest.approx(0.5)
+    assert out["steps600"]["ratio_met"] is False and out["steps600"]["tokens_per_step_met"] is True
+    assert out["steps1200"]["ratio_met"] is True and out["steps1200"]["tokens_per_step_met"] is False
+    # the old rule's row is never the headline; T=1 gen PPL rose from 120 to 150: not falling
+    assert "bd T=1 sampled-confidence" not in out["steps600"]["rows"]
+    assert out["bd_t1_gen_ppl_falls_with_budget"] is False
+
+
+def test_plot_writes_a_png(tmp_path):
+    rows = _ar(600, [(3.0, 50.0), (3.2, 100.0), (3.4, 200.0)]) + [_bd(600, 1.0, 3.1, 120.0)]
+    path = tmp_path / "q.png"
+    plot(rows, (600,), str(path))
+    assert path.stat().st_size > 1000
