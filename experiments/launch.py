@@ -148,6 +148,12 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--dws-cost-model", default=None, help="sjf: the cost model JSON (relf-jax bench dws output)")
     sv.add_argument("--k", type=int, default=4, help="speculative: drafts per round")
     sv.add_argument("--proposer", default="draft", choices=["draft", "prompt_lookup", "corpus_ngram"])
+    sv.add_argument("--ngram-corpus", nargs="+", default=None, metavar="FILE|online",
+                    help="corpus_ngram: count the n-gram table from these .txt/.jsonl files, directories or globs, "
+                         "and/or 'online': from the prompts and replies served (updated as requests finish). "
+                         "Default: the training data of a model relf_jax trained (an imported model needs one)")
+    sv.add_argument("--ngram-online-tokens", type=int, default=32768,
+                    help="corpus_ngram online: the newest served tokens the table counts (its memory bound)")
     sv.add_argument("--draft", default=None, help="speculative: the draft's run directory (default <workdir>/draft)")
     sv.add_argument("--nsd-top-p", type=float, default=0.9)
     sv.add_argument("--nfe", type=int, default=None, help="relf: network calls per reply")
@@ -411,12 +417,16 @@ def _serve(args) -> int:
     if args.model_path and args.workdir and args.model_path != args.workdir:
         from relf_jax.errors import UserError
         raise UserError("give the model once: --model PATH or --workdir DIR")
+    if args.ngram_corpus and args.proposer != "corpus_ngram":
+        from relf_jax.errors import UserError
+        raise UserError("--ngram-corpus is for --proposer corpus_ngram")
     template = ChatTemplate.from_file(args.chat_template) if args.chat_template else None
     models = build_models(args.model_path or args.workdir, args.generator or ["ar"], model_name=args.model_name, slots=args.slots,
                           max_queue=args.max_queue, policy=args.policy, aging=args.aging, template=template,
                           cost_fn=cost_fn, mock=args.mock, mock_step_s=args.mock_step_ms / 1e3, k=args.k,
                           proposer=args.proposer, draft=args.draft, nsd_top_p=args.nsd_top_p, nfe=args.nfe,
                           threshold=args.threshold, steps_per_call=args.steps_per_call, max_context=args.max_context,
+                          ngram_corpus=args.ngram_corpus, ngram_online_tokens=args.ngram_online_tokens,
                           overlap={"auto": None, "on": True, "off": False}[args.overlap])
     name = next(iter(models))
     print(f"[serve] model {name!r} with {', '.join(s.generator for s in models[name])} on "

@@ -184,7 +184,8 @@ def flow_embeddings(cfg: Config, builder, tok: Tokenizer, model_dir: str) -> np.
         rows = [[tok.bos_id] + tok.encode(t) + [tok.eos_id] + tail
                 for t in itertools.islice(sources.iter_texts(builder, "train"), EMBEDDING_DOCS)]
         counts = emb.cooccurrence_sparse(rows, v, cfg.flow.window)
-        table = emb.hellinger_svd_embeddings(counts, d, smoothing=cfg.flow.smoothing, norm=norm)
+        table = emb.hellinger_svd_embeddings(counts, d, smoothing=cfg.flow.smoothing, norm=norm,
+                                             center=cfg.flow.embed_center, whiten=cfg.flow.embed_whiten)
     elif cfg.flow.embeddings == "gaussian":
         table = emb.gaussian_embeddings(v, d, seed=cfg.train.seed, norm=norm)
     else:
@@ -642,15 +643,49 @@ def _ar_batch(lm: LoadedModel, sc: SampleConfig):
 NGRAM_DOCS = 20_000
 
 
-def corpus_ngram_table(lm: LoadedModel, order: int = 3, top_m: int = 16):
-    """The corpus n-gram draft (`relf_jax.speculative.ngram_draft`) of `lm`'s training data.
+def trained_by_relf_jax(lm: LoadedModel) -> bool:
+    """True for a model relf_jax trained (its run config names its training data); False for one
+    imported from HuggingFace (its tokenizer is the checkpoint's: relf_jax never trains one)."""
+    return not isinstance(lm.tokenizer, tokenizer_lib.HFTokenizer)
 
-    Counted over (up to 20k) training documents of the run's configured source, tokenized with
-    the model's tokenizer; saved as ``<model dir>/ngram_draft_o<order>_m<top_m>.npz`` and read
-    back from there (a read-only model directory just rebuilds it, a few seconds).
+
+def corpus_rows(lm: LoadedModel, files: Sequence[str]) -> list[list[int]]:
+    """Token rows of the documents in `files` (``.txt`` / ``.jsonl`` files, directories or globs,
+    read as the ``text_files`` source reads them), each ``tokens + [eos]``."""
+    from relf_jax.data.builders.text_files.text_files import read_documents, resolve_files
+
+    tok = lm.tokenizer
+    docs = [d for f in files for path in resolve_files(f) for d in read_documents(path)]
+    if not docs:
+        raise UserError(f"no text in {', '.join(files)}")
+    return [tok.encode(d) + [tok.eos_id] for d in docs]
+
+
+def corpus_ngram_table(lm: LoadedModel, order: int = 3, top_m: int = 16, *, files: Sequence[str] = ()):
+    """The corpus n-gram draft (`relf_jax.speculative.ngram_draft`) of `lm`.
+
+    files: text the user names (`corpus_rows`): the table counts it. None / empty: the model's
+    training data, (up to 20k) documents of the run's configured source, tokenized with the
+    model's tokenizer; saved as ``<model dir>/ngram_draft_o<order>_m<top_m>.npz`` and read back
+    from there (a read-only model directory just rebuilds it, a few seconds). That needs a model
+    relf_jax trained: for an imported checkpoint (whose training text relf_jax does not have) it
+    is a `UserError`. Either way stderr says which corpus the table came from.
     """
+    import sys
+
     from relf_jax.speculative import ngram_draft
 
+    if files:
+        rows = corpus_rows(lm, files)
+        print(f"[corpus_ngram] the n-gram table counts {len(rows)} documents of {', '.join(files)}",
+              file=sys.stderr, flush=True)
+        return ngram_draft.build_ngram_draft(rows, lm.model_cfg.vocab_size, order=order, top_m=top_m)
+    if not trained_by_relf_jax(lm):
+        raise UserError("proposer corpus_ngram: this model was imported (HuggingFace), and relf_jax does not have "
+                        "its training text; name text to count (--ngram-corpus FILE..., ngram_corpus=[...]) or "
+                        "count the traffic served (--ngram-corpus online)")
+    print(f"[corpus_ngram] the n-gram table counts the model's training corpus (data.source="
+          f"{lm.cfg.data.source}, up to {NGRAM_DOCS} documents)", file=sys.stderr, flush=True)
     path = os.path.join(lm.model_dir, f"ngram_draft_o{order}_m{top_m}.npz")
     if os.path.exists(path):
         table = ngram_draft.NgramDraft.load(path)

@@ -102,7 +102,26 @@ BAD = [
     ("empty messages", {"model": "mock", "messages": []}, 400),
     ("bad role", {"model": "mock", "messages": [{"role": "robot", "content": "x"}]}, 400),
     ("no model", {"messages": USER}, 400),
-    ("n > 1", {"model": "mock", "messages": USER, "n": 2}, 400),
+    ("n too large", {"model": "mock", "messages": USER, "n": 17}, 400),
+    ("lone surrogate", {"model": "mock", "messages": [{"role": "user", "content": "a\ud800b"}]}, 400),
+    ("lone surrogate raw", b'{"model": "mock", "messages": [{"role": "user", "content": "a\\udc00b"}]}', 400),
+    ("invalid utf-8", b'{"model": "mock", "messages": [{"role": "user", "content": "a\xff\xfeb"}]}', 400),
+    ("surrogate field name", {"model": "mock", "messages": USER, "x\ud800": 1}, 400),
+    ("max_tokens a string", {"model": "mock", "messages": USER, "max_tokens": "5"}, 400),
+    ("max_tokens a float", {"model": "mock", "messages": USER, "max_tokens": 5.0}, 400),
+    ("n a string", {"model": "mock", "messages": USER, "n": "2"}, 400),
+    ("seed a string", {"model": "mock", "messages": USER, "seed": "7"}, 400),
+    ("stream a string", {"model": "mock", "messages": USER, "stream": "true"}, 400),
+    ("logprobs a string", {"model": "mock", "messages": USER, "logprobs": "true"}, 400),
+    ("top_logprobs without logprobs", {"model": "mock", "messages": USER, "top_logprobs": 2}, 400),
+    ("logit_bias key not an id", {"model": "mock", "messages": USER, "logit_bias": {"abc": 1}}, 400),
+    ("logit_bias value a string", {"model": "mock", "messages": USER, "logit_bias": {"5": "1"}}, 400),
+    ("stop_token_ids strings", {"model": "mock", "messages": USER, "stop_token_ids": ["1"]}, 400),
+    ("frequency_penalty out of range", {"model": "mock", "messages": USER, "frequency_penalty": 3}, 400),
+    ("penalty on an engine without it", {"model": "mock", "messages": USER, "presence_penalty": 0.5}, 400),
+    ("tools", {"model": "mock", "messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
+    ("response_format", {"model": "mock", "messages": USER, "response_format": {"type": "json_object"}}, 400),
+    ("unknown field", {"model": "mock", "messages": USER, "frobnicate": 1}, 400),
     ("unserved generator", {"model": "mock", "messages": USER, "generator": "nsd"}, 400),
     ("oversized body", b'{"model": "mock", "messages": [], "pad": "' + b"x" * (2 << 20) + b'"}', 413),
 ]
@@ -110,9 +129,10 @@ BAD = [
 
 @pytest.mark.parametrize("name,body,status", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_gets_an_error_object_and_the_server_keeps_serving(server, name, body, status):
-    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
-        else {"json": body}
-    r = httpx.post(f"{server}/v1/chat/completions", timeout=30, **kw)
+    if not isinstance(body, bytes):
+        body = json.dumps(body).encode()  # ASCII: lone surrogates travel as \u escapes, as any client sends them
+    r = httpx.post(f"{server}/v1/chat/completions", timeout=30, content=body,
+                   headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and err["type"]

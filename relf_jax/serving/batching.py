@@ -8,8 +8,10 @@ requests join and leave between engine steps.
    first (`relf_jax.serving.scheduler`), `prefill` it and `insert` it into the slot;
 3. one `generate` step for every occupied slot; each slot's new tokens are turned into text
    (held back while they could still be the start of a stop string or an unfinished UTF-8
-   character) and sent to the request's sink; a request ends at a stop token, a stop string,
-   its `max_tokens`, or the end of the context, and its slot is freed before the next step.
+   character) and sent to the request's sink, with their log-probabilities when the request
+   asked for them; a request ends at a stop token (the engine's or one of its own
+   ``stop_token_ids``), a stop string, its `max_tokens`, or the end of the context, and its slot
+   is freed before the next step.
 
 Overlap (``overlap=True``; the default is the engine's `Engine.overlap_default`: on for the
 AR and speculative engines, whose steps are dispatched asynchronously by `Engine.dispatch` /
@@ -71,6 +73,7 @@ class Event:
     request_id: str
     text: str = ""  # new text since the previous event
     token_ids: list[int] = dataclasses.field(default_factory=list)  # the tokens behind it
+    log_probs: list | None = None  # per token of token_ids: (log-prob, [(id, log-prob), ...]) when asked
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     usage: dict | None = None  # on the final event: prompt/completion tokens, timings
     error: str | None = None
@@ -165,6 +168,7 @@ class Batcher:
     def submit(self, req: GenerationRequest, sink: Callable[[Event], None]) -> str:
         """Queue `req`; `sink` gets its events. Raises QueueFull, ServerClosed or UserError."""
         self.engine.check_request(len(req.prompt), req.params.max_tokens)
+        self.engine.check_params(req.params)
         if not req.predicted and self.cost_fn is not None:
             req.predicted = dict(self.cost_fn(req.prompt))
         with self._lock:
@@ -294,7 +298,7 @@ class Batcher:
             with self._lock:
                 live.model_s += prefix.model_s
                 self.stats.model_s += prefix.model_s
-                if self._take(live, prefix.tokens, prefix.done, from_step=False):
+                if self._take(live, prefix.tokens, prefix.done, from_step=False, log_probs=prefix.log_probs):
                     self._release(live)
 
     def _dispatch(self, overlapped: bool) -> tuple[Any, list[str | None], bool] | None:
@@ -339,7 +343,8 @@ class Batcher:
                 if out.accepted is not None:
                     live.accepted += out.accepted[slot]
                     self.stats.accepted += out.accepted[slot]
-                if self._take(live, out.tokens[slot], out.done[slot]):
+                lps = out.log_probs[slot] if out.log_probs is not None else None
+                if self._take(live, out.tokens[slot], out.done[slot], log_probs=lps):
                     self._release(live)
 
     def _release(self, live: _Live, stopped: bool = False) -> None:  # under the lock
@@ -350,11 +355,12 @@ class Batcher:
         live.slot = -1
 
     def _take(self, live: _Live, tokens: Sequence[int], engine_done: bool,
-              from_step: bool = True) -> bool:  # under the lock
+              from_step: bool = True, log_probs: Sequence | None = None) -> bool:  # under the lock
         """Add new tokens to a request; send text; True when the request is finished.
 
         engine_done: the engine says the slot stopped; from_step: the tokens come from `generate`
-        (whose done flag is the device slot's own; a prefill's is not, see `Engine.free`)."""
+        (whose done flag is the device slot's own; a prefill's is not, see `Engine.free`);
+        log_probs: the engine's entries per token (sent on when the request asked)."""
         if live.finished:
             return True
         if tokens and not live.first_token:
@@ -363,14 +369,19 @@ class Batcher:
         tok = self.engine.tokenizer
         finish = None
         new_ids = []
-        for t in tokens:
+        want_lp = live.req.params.logprobs is not None and log_probs is not None
+        new_lps = [] if want_lp else None
+        own_stops = live.req.params.stop_token_ids
+        for i, t in enumerate(tokens):
             live.generated += 1
             self.stats.tokens += 1
-            if t in self.engine.stop_ids:
+            if t in self.engine.stop_ids or t in own_stops:
                 finish = "stop"
                 break
             live.ids.append(int(t))
             new_ids.append(int(t))
+            if want_lp:
+                new_lps.append(log_probs[i])
             if len(live.ids) >= live.req.params.max_tokens:
                 finish = "length"
                 break
@@ -387,9 +398,9 @@ class Batcher:
         elif finish is None:
             text = text[:len(text) - _holdback(text, live.req.stop)]
         delta = text[len(live.sent):] if text.startswith(live.sent) else ""
-        if delta:
+        if delta or new_lps:
             live.sent += delta
-            live.sink(Event(request_id=live.req.id, text=delta, token_ids=new_ids))
+            live.sink(Event(request_id=live.req.id, text=delta, token_ids=new_ids, log_probs=new_lps))
         if finish is not None:
             self._finish(live, finish, stopped=engine_done and from_step)
             return True

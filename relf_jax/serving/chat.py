@@ -29,6 +29,7 @@ import json
 import os
 import queue
 import secrets
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Self
 
@@ -278,6 +279,10 @@ def encode_chat(tokenizer, template: ChatTemplate, messages: Sequence[dict], *,
 STEPS_PER_CALL = {"ar": 8, "speculative": 2}
 
 
+# traffic tokens an online corpus n-gram table keeps (`load_engine`'s ngram_corpus "online")
+ONLINE_NGRAM_TOKENS = 32768
+
+
 def _or(steps_per_call: int | None, kind: str) -> int:
     return STEPS_PER_CALL[kind] if steps_per_call is None else steps_per_call
 
@@ -285,14 +290,19 @@ def _or(steps_per_call: int | None, kind: str) -> int:
 def load_engine(workdir: str, generator: str = "ar", *, slots: int = 8, k: int = 4, proposer: str = "draft",
                 draft: str | None = None, nsd_top_p: float = 0.9, nfe: int | None = None,
                 threshold: float = 0.95, top_k: int = 0, steps_per_call: int | None = None,
-                max_context: int | None = None) -> Engine:
+                max_context: int | None = None, ngram_corpus: str | Sequence[str] | None = None,
+                ngram_online_tokens: int = ONLINE_NGRAM_TOKENS) -> Engine:
     """An engine over the checkpoint in `workdir` (the ``<workdir>/<family>`` layout of `relf-jax train`),
     or over a HuggingFace Llama / Qwen2 folder, loaded in place (AR and speculative generators;
     a draft may be an HF folder too).
 
     generator: "ar"; "standard" / "nsd" / "greedy" (speculative, with `proposer` "draft" (the
     model in `draft`, default ``<workdir>/draft``), "prompt_lookup" or "corpus_ngram" (next-token
-    statistics of the training data, `workflows.corpus_ngram_table`), `k` drafts per round);
+    statistics, `k` drafts per round) of `ngram_corpus`: text files, directories or globs
+    (`workflows.corpus_ngram_table`), and/or ``"online"``: the prompts and replies served,
+    counted as requests finish (`relf_jax.speculative.ngram_draft.OnlineNgram`, keeping the
+    newest `ngram_online_tokens` tokens; the named files, if any, always count). None: the
+    training data of a model relf_jax trained; an imported model needs a corpus (`UserError`).
     "bd" (block diffusion, `threshold`); "relf" (`nfe` steps). `steps_per_call`: AR tokens or
     speculative rounds per engine call (`relf_jax.serving.engines._check_steps_per_call`;
     None: `STEPS_PER_CALL`). `max_context` (AR and speculative; the others ignore it, as AR
@@ -314,9 +324,21 @@ def load_engine(workdir: str, generator: str = "ar", *, slots: int = 8, k: int =
     lm = workflows.load_model(workdir, "ar")
     if generator == "ar":
         return E.AREngine(lm, slots, top_k=top_k, steps_per_call=_or(steps_per_call, "ar"), max_context=max_context)
-    dm = table = None
+    dm = table = online = None
+    corpus = [ngram_corpus] if isinstance(ngram_corpus, str) else list(ngram_corpus or [])
+    if corpus and proposer != "corpus_ngram":
+        raise UserError(f"an n-gram corpus (--ngram-corpus) is for proposer corpus_ngram, not {proposer!r}")
     if proposer == "corpus_ngram":
-        table = workflows.corpus_ngram_table(lm)
+        files = [c for c in corpus if c != "online"]
+        if "online" in corpus:
+            from relf_jax.speculative.ngram_draft import OnlineNgram
+
+            online = OnlineNgram(lm.model_cfg.vocab_size, max_tokens=ngram_online_tokens,
+                                 seed_rows=workflows.corpus_rows(lm, files) if files else ())
+            print(f"[corpus_ngram] the n-gram table counts the requests served (the newest {ngram_online_tokens} "
+                  f"tokens){' and ' + ', '.join(files) if files else ''}", file=sys.stderr, flush=True)
+        else:
+            table = workflows.corpus_ngram_table(lm, files=files)
     if proposer == "draft":
         path = draft or os.path.join(workdir, "draft")
         dm = workflows.load_model(path, "ar")
@@ -324,7 +346,8 @@ def load_engine(workdir: str, generator: str = "ar", *, slots: int = 8, k: int =
             raise UserError(f"the draft in {path} uses another tokenizer than the target")
     return E.SpeculativeEngine(lm, dm, slots, rule=generator, k=k, proposer=proposer, nsd_top_p=nsd_top_p,
                                steps_per_call=_or(steps_per_call, "speculative"),
-                               name=f"spec-{generator}", max_context=max_context, ngram_table=table)
+                               name=f"spec-{generator}", max_context=max_context, ngram_table=table,
+                               ngram_online=online)
 
 
 class ChatModel:

@@ -1295,6 +1295,10 @@ class ByteTokenizer:
     vocab_size = 6 + 256
 
     def encode(self, text: str) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise UserError(f"the text holds a lone surrogate at character {e.start}: not valid Unicode") from None
         out: list[int] = []
         rest = text
         while rest:

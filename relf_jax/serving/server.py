@@ -5,8 +5,14 @@ server-sent events of ``chat.completion.chunk`` / ``text_completion`` objects en
 ``data: [DONE]``, with ``stream_options.include_usage``; or one JSON object), ``GET
 /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
 
-Request fields: model, messages (chat) or prompt (completions), temperature, top_p,
-max_tokens (also ``max_completion_tokens``), stop, seed, stream, stream_options, n (1 only).
+Request fields (docs/openai_api.md lists each): model, messages (chat) or prompt (completions),
+temperature, top_p, max_tokens (also ``max_completion_tokens``; omitted: the rest of the
+context), stop, stop_token_ids, seed, n, stream, stream_options, frequency_penalty,
+presence_penalty, logit_bias, logprobs / top_logprobs, and the extra parameters top_k, min_p,
+repetition_penalty. A knob the request omits takes the checkpoint's generation default
+(``generation_config.json``), then OpenAI's. Types are strict (``"1"`` is not a number); an
+unknown field, or an OpenAI field the server does not implement (tools, response_format, echo,
+suffix, best_of, ...) at a value that would change the reply, is a 400 that names it.
 relf_jax extra body fields (the OpenAI client's ``extra_body``):
 
 - ``generator``: which engine of the model answers ("ar", "standard", "nsd", "greedy", "bd",
@@ -45,12 +51,88 @@ from relf_jax.serving.batching import (
     QueueFull,
     ServerClosed,
 )
+from relf_jax.data.tokenizer import encode_prompt
 from relf_jax.serving.chat import ChatTemplate, encode_chat
-from relf_jax.serving.engines import Engine, RequestParams
+from relf_jax.serving.engines import LOGPROBS_TOP, Engine, RequestParams
 
 MAX_BODY_BYTES = 1 << 20
-DEFAULT_CHAT_MAX_TOKENS = 64
-DEFAULT_COMPLETION_MAX_TOKENS = 16
+MAX_N = 16  # choices per request
+SEED_STRIDE = 0x9E3779B1  # choice i of a seeded request samples with seed + i * SEED_STRIDE (choice 0: the seed)
+LOGPROB_FLOOR = -9999.0  # what JSON gets for a log-probability of -inf (a token the processors removed)
+
+# OpenAI request fields this server does not implement: a 400 naming the field, unless the value
+# given is the field's no-op (NO_OP)
+UNIMPLEMENTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
+                 "audio", "modalities", "prediction", "reasoning_effort", "web_search_options", "service_tier",
+                 "suffix", "echo", "best_of")
+NO_OP: dict[str, Callable[[Any], bool]] = {
+    "tools": lambda v: v == [], "functions": lambda v: v == [], "tool_choice": lambda v: v == "none",
+    "function_call": lambda v: v == "none", "parallel_tool_calls": lambda v: v is False,
+    "response_format": lambda v: v == {"type": "text"}, "modalities": lambda v: v == ["text"],
+    "service_tier": lambda v: v in ("auto", "default"), "echo": lambda v: v is False, "suffix": lambda v: v == "",
+    "best_of": lambda v: v == 1}
+
+
+def _dumps(obj) -> str:
+    """JSON text, ASCII-only: a lone surrogate the client sent (echoed in an error) stays encodable."""
+    return json.dumps(obj, ensure_ascii=True)
+
+
+def _finite(x: float) -> float:
+    return x if x > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+class _LogProbs:
+    """OpenAI's logprobs objects from the batcher's entries (`Event.log_probs`): chat
+    ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``;
+    completions ``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``
+    (the top dict holds the sampled token too, as OpenAI's legacy API). Token strings are the
+    tokenizer's decoding of the one id."""
+
+    def __init__(self, tokenizer, chat: bool, top: int):
+        self.tok, self.chat, self.top = tokenizer, chat, top
+        self._names: dict[int, str] = {}
+
+    def name(self, i: int) -> str:
+        s = self._names.get(i)
+        if s is None:
+            s = self._names[i] = self.tok.decode([i])
+        return s
+
+    def _chat_entry(self, t: int, entry) -> dict:
+        lp, top = entry
+        s = self.name(t)
+        return {"token": s, "logprob": _finite(lp), "bytes": list(s.encode("utf-8", "surrogatepass")),
+                "top_logprobs": [{"token": self.name(i), "logprob": _finite(v),
+                                  "bytes": list(self.name(i).encode("utf-8", "surrogatepass"))}
+                                 for i, v in top[:self.top]]}
+
+    def _legacy(self, ids, entries, offset: int) -> tuple[dict, int]:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, (lp, top) in zip(ids, entries):
+            s = self.name(t)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(_finite(lp))
+            tops = {self.name(i): _finite(v) for i, v in top[:self.top]}
+            tops.setdefault(s, _finite(lp))
+            out["top_logprobs"].append(tops)
+            out["text_offset"].append(offset)
+            offset += len(s)
+        return out, offset
+
+    def delta(self, ev, offset: int) -> tuple[dict, int]:
+        """One event's logprobs object (and the completions' next text offset)."""
+        if self.chat:
+            return {"content": [self._chat_entry(t, e) for t, e in zip(ev.token_ids, ev.log_probs)]}, offset
+        return self._legacy(ev.token_ids, ev.log_probs, offset)
+
+    def whole(self, events) -> dict:
+        """The logprobs object of a whole reply from its events."""
+        ids = [t for ev in events for t in ev.token_ids]
+        entries = [e for ev in events for e in ev.log_probs]
+        if self.chat:
+            return {"content": [self._chat_entry(t, e) for t, e in zip(ids, entries)]}
+        return self._legacy(ids, entries, 0)[0]
 
 
 @dataclasses.dataclass
@@ -295,16 +377,19 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
             finally:
                 watcher.cancel()
 
+    strict = ConfigDict(strict=True, extra="forbid")
+
     class Message(BaseModel):
-        model_config = ConfigDict(extra="allow")
-        role: Literal["system", "user", "assistant"]
-        content: str | list[dict[str, Any]]
+        model_config = ConfigDict(strict=True, extra="allow")  # name, tool_calls, tool_call_id: the template's
+        role: str
+        content: str | list[dict[str, Any]] | None = None
 
     class StreamOptions(BaseModel):
+        model_config = strict
         include_usage: bool = False
 
     class Common(BaseModel):
-        model_config = ConfigDict(extra="allow")
+        model_config = strict
         model: str = Field(..., examples=list(models))
         temperature: float | None = Field(None, ge=0, le=100)
         top_p: float | None = Field(None, gt=0, le=1)
@@ -313,19 +398,50 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
         seed: int | None = Field(None, ge=-(2 ** 63), le=2 ** 63 - 1)
         stream: bool = False
         stream_options: StreamOptions | None = None
-        n: int = Field(1, ge=1, le=1)
+        n: int = Field(1, ge=1, le=MAX_N)
+        frequency_penalty: float | None = Field(None, ge=-2, le=2)
+        presence_penalty: float | None = Field(None, ge=-2, le=2)
+        logit_bias: dict[str, float] | None = None
+        # extra parameters (vLLM's names): top_k -1 or 0 is off
+        top_k: int | None = Field(None, ge=-1)
+        min_p: float | None = Field(None, ge=0, le=1)
+        repetition_penalty: float | None = Field(None, gt=0)
+        stop_token_ids: list[int] | None = None
+        # no effect on the reply
         user: str | None = None
+        metadata: dict[str, str] | None = None
+        store: bool | None = None
+        # relf_jax's own
         generator: str | None = None
         speculative_k: int | None = Field(None, ge=1)
         nfe: int | None = Field(None, ge=1)
         priority: int = Field(0, ge=-(2 ** 31), le=2 ** 31 - 1)
+        # OpenAI fields this server does not implement: refused by name unless at their no-op value
+        tools: Any = None
+        tool_choice: Any = None
+        functions: Any = None
+        function_call: Any = None
+        parallel_tool_calls: Any = None
+        response_format: Any = None
+        audio: Any = None
+        modalities: Any = None
+        prediction: Any = None
+        reasoning_effort: Any = None
+        web_search_options: Any = None
+        service_tier: Any = None
+        suffix: Any = None
+        echo: Any = None
+        best_of: Any = None
 
     class ChatRequest(Common):
         messages: list[Message] = Field(..., min_length=1)
         max_completion_tokens: int | None = Field(None, ge=1)
+        logprobs: bool | None = None
+        top_logprobs: int | None = Field(None, ge=0, le=LOGPROBS_TOP)
 
     class CompletionRequest(Common):
         prompt: str | list[str]
+        logprobs: int | None = Field(None, ge=0, le=LOGPROBS_TOP)
 
     class App(FastAPI):
         """FastAPI, with the generation endpoints' valid requests taken by `LeanRoutes` first."""
@@ -346,9 +462,13 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
     app.add_middleware(BodyLimit, limit=max_body)
     app.add_middleware(RequestTimer, totals=app.state.http_totals)  # added last: the outermost
 
+    class AsciiJSON(JSONResponse):
+        def render(self, content) -> bytes:
+            return _dumps(content).encode("ascii")
+
     def error_response(exc: APIError) -> JSONResponse:
-        return JSONResponse(_error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status,
-                            headers=exc.headers)
+        return AsciiJSON(_error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status,
+                         headers=exc.headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -362,8 +482,10 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             msg = "request body is not valid JSON"
-        return JSONResponse(_error_body(f"{'.'.join(loc) + ': ' if loc else ''}{msg}", "invalid_request_error",
-                                        param=".".join(loc) or None), status_code=400)
+        elif first.get("type") == "extra_forbidden":
+            msg = "unknown field: not part of the API this server implements"
+        return AsciiJSON(_error_body(f"{'.'.join(loc) + ': ' if loc else ''}{msg}", "invalid_request_error",
+                                     param=".".join(loc) or None), status_code=400)
 
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -396,14 +518,51 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
             choice = match
         return choice[0]
 
-    def params_of(body: Common, max_tokens: int | None, default_max: int, served: ServedEngine) -> RequestParams:
-        mt = max_tokens if max_tokens is not None else default_max
+    def params_of(body: Common, max_tokens: int | None, prompt_len: int, served: ServedEngine,
+                  logprobs: int | None) -> list[RequestParams]:
+        """The request's settings, one per choice (n); omitted knobs take the checkpoint's
+        generation defaults (`generation_config.json`), then OpenAI's."""
+        engine = served.engine
+        defaults = dict(getattr(engine.tokenizer, "generation_defaults", None) or {})
+
+        def knob(name, fallback):
+            value = getattr(body, name)
+            return defaults.get(name, fallback) if value is None else value
+
+        if max_tokens is None:  # the rest of the context, as vLLM
+            max_tokens = engine.max_context - engine.reserve() - prompt_len
+            if max_tokens < 1:
+                raise APIError(400, f"the prompt of {prompt_len} tokens fills the model context of "
+                                    f"{engine.max_context - engine.reserve()} tokens", param="messages")
+        bias = []
+        for key, value in (body.logit_bias or {}).items():
+            try:
+                tok = int(key)
+            except ValueError:
+                raise APIError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias") from None
+            bias.append((tok, float(value)))
+        top_k = knob("top_k", 0)
+        base = secrets.randbits(31) if body.seed is None else int(body.seed) % (2 ** 31)
         try:
-            return RequestParams(max_tokens=mt, temperature=1.0 if body.temperature is None else body.temperature,
-                                 top_p=1.0 if body.top_p is None else body.top_p,
-                                 seed=secrets.randbits(31) if body.seed is None else int(body.seed) % (2 ** 31))
+            return [RequestParams(
+                max_tokens=max_tokens, temperature=float(knob("temperature", 1.0)), top_p=float(knob("top_p", 1.0)),
+                seed=(base + i * SEED_STRIDE) % (2 ** 31) if body.seed is not None or i == 0 else secrets.randbits(31),
+                top_k=0 if top_k in (-1, None) else int(top_k), min_p=float(knob("min_p", 0.0)),
+                repetition_penalty=float(knob("repetition_penalty", 1.0)),
+                frequency_penalty=float(body.frequency_penalty or 0.0),
+                presence_penalty=float(body.presence_penalty or 0.0), logit_bias=tuple(bias), logprobs=logprobs,
+                stop_token_ids=tuple(body.stop_token_ids or ())) for i in range(body.n)]
         except UserError as e:
             raise APIError(400, str(e)) from e
+
+    def refuse_unimplemented(body: Common) -> None:
+        """400 naming the first OpenAI field this server does not implement (given at a value
+        that would change the reply)."""
+        for name in UNIMPLEMENTED:
+            value = getattr(body, name, None)
+            if value is None or NO_OP.get(name, lambda v: False)(value):
+                continue
+            raise APIError(400, f"'{name}' is not implemented by this server", param=name, code="unsupported_field")
 
     def stops_of(body: Common) -> tuple[str, ...]:
         stop = body.stop
@@ -423,12 +582,15 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
         except ServerClosed as e:
             raise APIError(503, "the server is shutting down", type="server_error") from e
         except UserError as e:
-            raise APIError(400, str(e), param="max_tokens") from e
+            raise APIError(400, str(e)) from e
 
-    async def run(request: Request, served: ServedEngine, req: GenerationRequest, *, chat: bool, stream: bool,
-                  include_usage: bool, model: str):
+    async def run(request: Request, served: ServedEngine, reqs: list[GenerationRequest], *, chat: bool, stream: bool,
+                  include_usage: bool, model: str, top_logprobs: int | None):
+        """Submit the request's n choices and answer with their events (one JSON object, or a
+        stream whose chunks carry each choice's index)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
+        tok = served.engine.tokenizer
 
         def sink(ev: Event) -> None:
             try:
@@ -436,134 +598,181 @@ def create_app(models: dict[str, list[ServedEngine]], *, retry_after_s: int = 1,
             except RuntimeError:  # the event loop has closed (the server stopped): nobody is listening
                 pass
 
-        if served.batcher.cost_fn is not None and not req.predicted:
-            # the SJF cost predictor runs a model: off the event loop, so other streams keep flowing
-            rid = await asyncio.to_thread(submit, served, req, sink)
-        else:
-            rid = submit(served, req, sink)
+        rids: list[str] = []
+
+        def cancel_all() -> None:
+            for rid in rids:
+                served.batcher.cancel(rid)
+
+        try:
+            for req in reqs:
+                if served.batcher.cost_fn is not None and not req.predicted:
+                    # the SJF cost predictor runs a model: off the event loop, so other streams keep flowing
+                    rids.append(await asyncio.to_thread(submit, served, req, sink))
+                else:
+                    rids.append(submit(served, req, sink))
+        except APIError:
+            cancel_all()
+            raise
+        index = {rid: i for i, rid in enumerate(rids)}
         created = int(time.time())
         oid = ("chatcmpl-" if chat else "cmpl-") + f"{id_prefix}{next(id_counter):012x}"
         kind = "chat.completion" if chat else "text_completion"
+        lp_format = _LogProbs(tok, chat, top_logprobs) if top_logprobs is not None else None
 
-        def usage_of(ev: Event) -> dict:
-            u = ev.usage or {}
-            return {"prompt_tokens": u.get("prompt_tokens", 0), "completion_tokens": u.get("completion_tokens", 0),
-                    "total_tokens": u.get("total_tokens", 0)}
+        def usage_of(finals: list[Event]) -> dict:
+            us = [ev.usage or {} for ev in finals]
+            prompt = us[0].get("prompt_tokens", 0) if us else 0
+            completion = sum(u.get("completion_tokens", 0) for u in us)
+            return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
         def reason(ev: Event) -> str:
             return "length" if ev.finish_reason == "length" else "stop"
 
+        def failed(ev: Event) -> bool:
+            return ev.finish_reason in ("error", "cancelled")
+
         if not stream:
-            text = []
+            texts: list[list[str]] = [[] for _ in reqs]
+            lps: list[list[Event]] = [[] for _ in reqs]
+            finals: list[Event | None] = [None] * len(reqs)
             try:
-                while True:
+                while any(f is None for f in finals):
                     try:
                         ev = await asyncio.wait_for(events.get(), timeout=0.5)
                     except TimeoutError:
                         if await request.is_disconnected():
                             return None
                         continue
-                    text.append(ev.text)
+                    i = index[ev.request_id]
+                    texts[i].append(ev.text)
+                    if ev.log_probs:
+                        lps[i].append(ev)
                     if ev.finish_reason is not None:
-                        break
+                        finals[i] = ev
+                        if failed(ev):
+                            break
             finally:
-                served.batcher.cancel(rid)
-            if ev.finish_reason == "error":
-                raise APIError(500, ev.error or "generation failed", type="server_error")
-            if ev.finish_reason == "cancelled":
-                raise APIError(503, "the request was cancelled (server shutting down)", type="server_error")
-            body = "".join(text)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": body}, "logprobs": None,
-                       "finish_reason": reason(ev)} if chat else
-                      {"index": 0, "text": body, "logprobs": None, "finish_reason": reason(ev)})
+                cancel_all()
+            for ev in finals:
+                if ev is not None and ev.finish_reason == "error":
+                    raise APIError(500, ev.error or "generation failed", type="server_error")
+                if ev is not None and ev.finish_reason == "cancelled":
+                    raise APIError(503, "the request was cancelled (server shutting down)", type="server_error")
+            choices = []
+            for i, ev in enumerate(finals):
+                body = "".join(texts[i])
+                logprobs = lp_format.whole(lps[i]) if lp_format is not None else None
+                choices.append({"index": i, "message": {"role": "assistant", "content": body}, "logprobs": logprobs,
+                                "finish_reason": reason(ev)} if chat else
+                               {"index": i, "text": body, "logprobs": logprobs, "finish_reason": reason(ev)})
             return JSONResponse({"id": oid, "object": kind, "created": created, "model": model,
-                                 "choices": [choice], "usage": usage_of(ev), "system_fingerprint": None})
+                                 "choices": choices, "usage": usage_of(finals), "system_fingerprint": None})
 
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+        offsets = [0] * len(reqs)  # completions: text offset of each choice's next token
 
-        def chunk(delta: str | None, finish: str | None, first: bool = False) -> str:
+        def chunk(i: int, delta: str | None, finish: str | None, first: bool = False, ev: Event | None = None) -> str:
+            logprobs = None
+            if lp_format is not None and ev is not None and ev.log_probs:
+                logprobs, offsets[i] = lp_format.delta(ev, offsets[i])
             if chat:
                 d: dict = {}
                 if first:
                     d["role"] = "assistant"
                 if delta is not None:
                     d["content"] = delta
-                choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+                choice = {"index": i, "delta": d, "logprobs": logprobs, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": i, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
             obj = {"id": oid, "object": chunk_kind, "created": created, "model": model, "choices": [choice]}
             if include_usage:
                 obj["usage"] = None
-            return f"data: {json.dumps(obj)}\n\n"
+            return f"data: {_dumps(obj)}\n\n"
 
         async def sse():
             # Events that are ready together go out in one write: the role chunk with the first
             # text, the last text with the finish chunk, usage and [DONE] (each write wakes the
             # client and crosses the ASGI stack; at batch 1 that is server overhead).
-            pending = [chunk("", None, first=True)] if chat else []
+            pending = [chunk(i, "", None, first=True) for i in range(len(reqs))] if chat else []
+            finals: list[Event | None] = [None] * len(reqs)
+            error = None
             try:
-                while True:
+                while error is None and any(f is None for f in finals):
                     ev = await events.get()
                     while ev is not None:  # and every event already queued behind it
-                        if ev.text:
-                            pending.append(chunk(ev.text, None))
-                        if ev.finish_reason is not None or events.empty():
+                        i = index[ev.request_id]
+                        if ev.text or ev.log_probs:
+                            pending.append(chunk(i, ev.text, None, ev=ev))
+                        if ev.finish_reason is not None:
+                            finals[i] = ev
+                            if failed(ev):
+                                error = ev
+                                break
+                            pending.append(chunk(i, None if chat else "", reason(ev)))
+                        if events.empty():
                             break
                         ev = events.get_nowait()
                     if ev is None:  # the client went away (`EventStream`)
                         return
-                    if ev.finish_reason is not None:
-                        break
-                    if pending:
+                    if pending and error is None and any(f is None for f in finals):
                         yield "".join(pending)
                         pending = []
-                if ev.finish_reason in ("error", "cancelled"):
-                    err = _error_body(ev.error or "the request was cancelled", "server_error")
-                    pending.append(f"data: {json.dumps(err)}\n\n")
-                else:
-                    pending.append(chunk(None if chat else "", reason(ev)))
-                    if include_usage:
-                        obj = {"id": oid, "object": chunk_kind, "created": created, "model": model,
-                               "choices": [], "usage": usage_of(ev)}
-                        pending.append(f"data: {json.dumps(obj)}\n\n")
+                if error is not None:
+                    err = _error_body(error.error or "the request was cancelled", "server_error")
+                    pending.append(f"data: {_dumps(err)}\n\n")
+                elif include_usage:
+                    obj = {"id": oid, "object": chunk_kind, "created": created, "model": model,
+                           "choices": [], "usage": usage_of(finals)}
+                    pending.append(f"data: {_dumps(obj)}\n\n")
                 pending.append("data: [DONE]\n\n")
                 yield _Last("".join(pending))
-            finally:  # the client went away (or we are done): free the slot now
-                served.batcher.cancel(rid)
+            finally:  # the client went away (or we are done): free the slots now
+                cancel_all()
 
-        return EventStream(sse(), events, lambda: served.batcher.cancel(rid), media_type="text/event-stream",
+        return EventStream(sse(), events, cancel_all, media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
+        refuse_unimplemented(body)
         served = pick(body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = params_of(body, max_tokens, DEFAULT_CHAT_MAX_TOKENS, served)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        top = (body.top_logprobs or 0) if body.logprobs else None
         try:
             prompt = encode_chat(served.engine.tokenizer, served.template,
-                                 [m.model_dump() for m in body.messages])
+                                 [m.model_dump(exclude_none=False) for m in body.messages])
         except UserError as e:
             raise APIError(400, str(e), param="messages") from e
-        req = GenerationRequest(prompt=prompt, params=params, stop=stops_of(body), priority=body.priority)
+        stops = stops_of(body)
+        reqs = [GenerationRequest(prompt=prompt, params=p, stop=stops, priority=body.priority)
+                for p in params_of(body, max_tokens, len(prompt), served, top)]
         include = bool(body.stream_options and body.stream_options.include_usage)
-        out = await run(request, served, req, chat=True, stream=body.stream, include_usage=include, model=body.model)
+        out = await run(request, served, reqs, chat=True, stream=body.stream, include_usage=include, model=body.model,
+                        top_logprobs=top)
         return out if out is not None else JSONResponse({}, status_code=499)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        refuse_unimplemented(body)
         served = pick(body)
         prompt = body.prompt
         if isinstance(prompt, list):
             if len(prompt) != 1 or not isinstance(prompt[0], str):
                 raise APIError(400, "prompt must be a string (or a list of one string)", param="prompt")
             prompt = prompt[0]
-        params = params_of(body, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, served)
-        tok = served.engine.tokenizer
-        req = GenerationRequest(prompt=[tok.bos_id] + tok.encode(prompt), params=params, stop=stops_of(body),
-                                priority=body.priority)
+        try:
+            ids = encode_prompt(served.engine.tokenizer, prompt)
+        except UserError as e:
+            raise APIError(400, str(e), param="prompt") from e
+        stops = stops_of(body)
+        reqs = [GenerationRequest(prompt=ids, params=p, stop=stops, priority=body.priority)
+                for p in params_of(body, body.max_tokens, len(ids), served, body.logprobs)]
         include = bool(body.stream_options and body.stream_options.include_usage)
-        out = await run(request, served, req, chat=False, stream=body.stream, include_usage=include,
-                        model=body.model)
+        out = await run(request, served, reqs, chat=False, stream=body.stream, include_usage=include,
+                        model=body.model, top_logprobs=body.logprobs)
         return out if out is not None else JSONResponse({}, status_code=499)
 
     if lean:
