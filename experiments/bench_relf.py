@@ -70,7 +70,7 @@ EXTENSIONS = {"aux_head": ["flow.aux_weight=1"], "per_position_t": ["flow.per_po
 REFLOW_EXTENSIONS = ("blind_spot",)
 
 
-PARTS = ("models", "reflow", "latency")
+PARTS = ("models", "reflow", "latency", "core")
 # the no-pairs control of a reflow study: the same rounds, schedule and batches, data loss only
 NO_PAIRS = {"pair_weight": 0.0, "data_weight": 1.0}
 
@@ -80,14 +80,19 @@ def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overri
     """Runs the parts named in `parts`: "models" (the AR sweep, ReLF rows at both budgets,
     ablations, guidance, extensions, prompted replies, the unigram reference), "reflow" (two
     reflow rounds and two no-pairs control rounds of the plain and `REFLOW_EXTENSIONS` models,
-    with rows before and after each) and "latency"; all three by default."""
+    with rows before and after each) and "latency"; those three by default. "core" alone
+    (`bench_relf_core`) is the issue-35 comparison at one budget: the unigram reference, the AR
+    sweep, the default ReLF and the paper's plain parametrisation, with text tokens per step."""
     from relf_jax import workflows
     from relf_jax.errors import UserError
     from relf_jax.flow.reflow import DATA_WEIGHT
 
     unknown = sorted(set(parts) - set(PARTS))
-    if unknown or not parts:
-        raise UserError(f"bench relf parts must be a non-empty subset of {', '.join(PARTS)}; got {list(parts)}")
+    if unknown or not parts or ("core" in parts and len(parts) > 1):
+        raise UserError(f"bench relf parts must be a non-empty subset of {', '.join(PARTS[:3])}, or core alone; "
+                        f"got {list(parts)}")
+    if "core" in parts:
+        return bench_relf_core(out, quick=quick, workdir=workdir, overrides=overrides)
     preset = "tiny" if quick else "cpu"
     root = os.path.abspath(workdir or os.path.join("runs", f"bench_relf_{preset}"))
     base = make_config(preset, list(overrides), workdir=os.path.join(root, "shared"))
@@ -202,6 +207,102 @@ def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overri
     _write_json(out, report)
     print(json.dumps(report["targets"], indent=2))
     print(json.dumps(report["latency_ratio_ar_over_relf16"]))
+    return report
+
+
+def text_tokens_per_step(cfg, builder, tok, rows: str, batches: int = 50) -> float:
+    """Mean text (non-pad) tokens a training step of `cfg` sees on `rows`, over `batches` batches:
+    what "the same budget" spends on text (AR's packed rows: all of batch x seq_len)."""
+    from relf_jax.data import pipeline
+
+    it = pipeline.make_iterator(builder, "train", tok, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
+                                seed=cfg.train.seed, rows=rows)
+    text = []
+    for _ in range(batches):
+        b = next(it)
+        seg, toks = b["segment_ids"][:, :-1], b["tokens"][:, :-1]
+        keep = seg != 0 if rows != "documents" else toks != tok.pad_id
+        text.append(float(keep.sum()))
+    return float(np.mean(text))
+
+
+# the paper's plain parametrisation, the ablation row of the core comparison
+PLAIN = ["flow.blind_spot=false"]
+# the ReLF models of the core comparison: the default, and variants (overrides) against it
+CORE_VARIANTS = {"relf": [], "plain": PLAIN, "whiten": ["flow.embed_whiten=true"]}
+
+
+def bench_relf_core(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = ()) -> dict:
+    """Issue 35's comparison at one budget (``train.steps``): the positional-unigram reference,
+    the AR temperature sweep, the default ReLF (context-reading; 64-NFE stochastic, 16 / 8-NFE
+    Euler), the paper's plain parametrisation (64-NFE stochastic) and the other
+    `CORE_VARIANTS` (as the default's rows), at the same optimizer
+    steps; text tokens per step are measured for each row layout and stated. Targets: the
+    default ReLF-64's gen PPL over AR's at matched entropy (<= 1.5, and the paper's <= 1.0)."""
+    from relf_jax import workflows
+
+    preset = "tiny" if quick else "cpu"
+    root = os.path.abspath(workdir or os.path.join("runs", f"bench_relf_core_{preset}"))
+    base = make_config(preset, list(overrides), workdir=os.path.join(root, "shared"))
+    builder = workflows.prepare_data(base)
+    tok = workflows.prepare_tokenizer(base, builder)
+    judge = workflows.exact_judge(base)
+    n = 32 if quick else 256
+    steps = base.train.steps
+    t0 = time.perf_counter()
+    rows = []
+
+    def record(row):
+        rows.append(row)
+        _write_json(out, {"preset": preset, "complete": False, "parts": ["core"], "rows": rows})
+        ppl = "   empty" if row["gen_ppl"] is None else f"{row['gen_ppl']:8.2f}"
+        print(f"[bench relf core] {row['train_steps']:>5} steps {row['method']:>32} nfe {row['nfe']!s:>4}: "
+              f"gen PPL {ppl}  entropy {row['entropy']:.2f}", flush=True)
+
+    relf_cfg = make_config(preset, [*overrides, "model=relf"], workdir=root)
+    tokens = {"ar": float(base.train.batch_size * base.data.seq_len),  # packed: every target is text
+              "relf": text_tokens_per_step(relf_cfg, builder, tok, workflows.row_mode(relf_cfg))}
+    print(f"[bench relf core] text tokens per step: AR {tokens['ar']:.0f}, ReLF {tokens['relf']:.0f}", flush=True)
+    uni = positional_unigram_samples(builder, tok, n, base.data.seq_len)
+    record(_row(uni, judge, method="positional unigram", nfe=None, reflow_rounds=0, steps=0, variant="reference"))
+    wd = _workdir(root, f"steps{steps}", base)
+    workflows.train_lm(make_config(preset, [*overrides], workdir=wd))
+    ar_lm = workflows.load_model(wd, "ar")
+    for temperature in (QUICK_AR_TEMPERATURES if quick else AR_TEMPERATURES):
+        sc = dataclasses.replace(ar_lm.cfg.sample, temperature=temperature, top_k=0, top_p=1.0,
+                                 max_new_tokens=base.data.seq_len - 1, num_samples=n)
+        s = workflows.sample(ar_lm, n=n, sample_cfg=sc)
+        record(_row(s, judge, method=f"ar T={temperature:g}", nfe=None, reflow_rounds=0, steps=steps,
+                    variant="ar", temperature=temperature, batch=sc.batch_size, text_tokens_per_step=tokens["ar"]))
+    for variant, extra in CORE_VARIANTS.items():
+        vwd = _workdir(root, f"steps{steps}_{variant}", base)
+        workflows.train_lm(make_config(preset, [*overrides, "model=relf", *extra], workdir=vwd))
+        lm = workflows.load_model(os.path.join(vwd, "relf"), "relf")
+        runs = [("stochastic", 64)] + ([("euler", 16), ("euler", 8)] if variant != "plain" else [])
+        text = tokens["relf"] if variant == "relf" else text_tokens_per_step(
+            lm.cfg, builder, tok, workflows.row_mode(lm.cfg))
+        for sampler, nfe in runs:
+            s = workflows.sample_relf(lm, n, nfe=nfe, sampler=sampler)
+            record(_row(s, judge, method=f"relf {sampler}" + ("" if variant == "relf" else f" {variant}"), nfe=nfe,
+                        reflow_rounds=0, steps=steps, variant=variant, batch=lm.cfg.sample.batch_size,
+                        text_tokens_per_step=text))
+    ar_rows = [r for r in rows if r["variant"] == "ar" and r["gen_ppl"]]
+    tgt = {"text_tokens_per_step": tokens, "optimizer_steps": steps}
+    for r in rows:
+        if r["variant"] in CORE_VARIANTS and r["gen_ppl"]:
+            ppl, gap = ar_ppl_at_entropy(ar_rows, r["entropy"])
+            tgt[f"{r['variant']}_{r['method'].split()[1]}{r['nfe']}_vs_ar_at_matched_entropy"] = {
+                "relf_gen_ppl": r["gen_ppl"], "relf_entropy": r["entropy"], "ar_gen_ppl_interpolated": ppl,
+                "entropy_outside_ar_sweep_nats": gap, "ratio": _ratio(r["gen_ppl"], ppl),
+                "target": "<= 1.5 (paper: <= 1.0)" if r["variant"] == "relf" and r["nfe"] == 64 else None}
+    uni_row = rows[0]
+    tgt["over_positional_unigram_gen_ppl"] = {r["method"] + f" {r['nfe']}": _ratio(r["gen_ppl"], uni_row["gen_ppl"])
+                                              for r in rows if r["variant"] in CORE_VARIANTS}
+    report = {"preset": preset, "complete": True, "parts": ["core"], "num_samples": n, "budgets_steps": [steps],
+              "tokens_per_step": tokens, "rows": rows, "targets": tgt, "judge": judge.name,
+              "wall_s": time.perf_counter() - t0}
+    _write_json(out, report)
+    print(json.dumps(tgt, indent=2))
     return report
 
 

@@ -175,6 +175,10 @@ class FlowConfig:
     smoothing: float = 1e-3  # added to co-occurrence counts (Hellinger-SVD)
     # Hellinger-SVD counts the tokens up to `window` positions after each token (1 = next token)
     window: int = 1
+    # Hellinger-SVD geometry (relf_jax.flow.embeddings; measured in docs/relf.md): centre the
+    # Hellinger rows before the SVD (PCA), and whiten the kept components (U_d instead of U_d S_d)
+    embed_center: bool = False
+    embed_whiten: bool = False
     residual_bound: float = 10.0  # c in c * tanh(f / c)
     use_singular: bool = True  # False: the ablation without singular logits
     t_eps: float = 1e-4

@@ -505,3 +505,28 @@ def test_context_factorisation_times_singular_term_is_the_exact_posterior():
         doubled = jax.nn.softmax(singular.posterior_logits(z[None], jnp.asarray([t]), table,
                                                            jnp.log(jnp.asarray(want, jnp.float32))[None], c=None), -1)
         assert np.abs(np.asarray(doubled[0]) - want).max() > 1e-3
+
+
+def test_whitened_hellinger_svd_and_the_near_duplicate_share():
+    counts = emb.cooccurrence_counts(_corpus(seed=1, rows=200), 24)
+    plain = emb.hellinger_svd_embeddings(counts, 8, norm=1.0).astype(np.float64)
+    white = emb.hellinger_svd_embeddings(counts, 8, norm=1.0, whiten=True).astype(np.float64)
+    np.testing.assert_allclose(np.linalg.norm(white, axis=1), 1.0, rtol=1e-6)
+    # U_d sqrt(V) before the rescale: the same directions as U_d S_d, each component rescaled
+    u, s, _ = np.linalg.svd(emb.hellinger_rows(counts), full_matrices=False)
+    want = u[:, :8] * np.sqrt(24)
+    want /= np.linalg.norm(want, axis=1, keepdims=True)
+    np.testing.assert_allclose(np.abs(white), np.abs(want), atol=1e-5)
+    dense = emb.hellinger_svd_embeddings(counts, 8, norm=1.0, whiten=True, method="randomized")
+    np.testing.assert_allclose(np.abs(dense), np.abs(white), atol=1e-3)
+    # the near-duplicate share: text mass whose nearest other row is closer than the threshold
+    table = np.asarray([[0.0, 0.0], [0.0, 0.01], [1.0, 0.0], [3.0, 0.0]])
+    freq = np.asarray([5.0, 1.0, 2.0, 2.0])
+    assert emb.near_duplicate_share(table, freq, 1e-3) == pytest.approx(0.6)
+    assert emb.near_duplicate_share(table, freq, 1e-5) == 0.0
+    # whitening spreads the tight pairs of this corpus apart: the smallest gaps grow
+    def nn(e):
+        d = ((e[:, None] - e[None]) ** 2).sum(-1)
+        np.fill_diagonal(d, np.inf)
+        return d.min(1)
+    assert np.median(nn(white)) > np.median(nn(plain))

@@ -193,12 +193,15 @@ def hellinger_svd_embeddings(
     smoothing: float = 1e-3,
     norm: float | None = None,
     center: bool = False,
+    whiten: bool = False,
     method: str = "auto",
     seed: int = 0,
 ) -> np.ndarray:
     """Hellinger-SVD token embeddings E [V, dim] float32 from co-occurrence counts [V, V].
 
-    E = U_d S_d of the (optionally column-centred) Hellinger matrix M = sqrt(P);
+    E = U_d S_d of the (optionally column-centred) Hellinger matrix M = sqrt(P), or, with
+    `whiten`, U_d sqrt(V) (every kept component with the same variance: decorrelated and
+    whitened, so the small components that tell near-synonyms apart weigh as much as the first);
     rows rescaled to `norm` (default sqrt(dim)); then each column's largest-|value| entry is
     made positive. `counts` is a dense array or a scipy sparse matrix (`cooccurrence_sparse`).
 
@@ -219,12 +222,12 @@ def hellinger_svd_embeddings(
         if center:
             m = m - m.mean(axis=0, keepdims=True)
         u, s, _ = np.linalg.svd(m, full_matrices=False)
-        components = u[:, :dim] * s[:dim]
+        u, s = u[:, :dim], s[:dim]
     elif method == "randomized":
         u, s = randomized_svd_components(_HellingerOperator(counts, smoothing, center), dim, seed=seed)
-        components = u * s
     else:
         raise ValueError(f"method must be 'auto', 'dense' or 'randomized', got {method!r}")
+    components = u * np.sqrt(vocab_size) if whiten else u * s
     # Signs after the rescale, so the convention holds on the returned rows (flips are exact).
     return fix_signs(rescale_rows(components, _default_norm(dim, norm)))
 
@@ -274,3 +277,15 @@ def make_embeddings(
     if kind == "one_hot_projection":
         return one_hot_projection_embeddings(vocab_size, dim, seed, norm)
     raise ValueError(f"unknown embedding kind {kind!r}; expected one of {KINDS}")
+
+
+def near_duplicate_share(table: np.ndarray, freq: np.ndarray, threshold: float = 1e-3) -> float:
+    """Share of text mass (token frequencies `freq` [V]) whose nearest other embedding row lies at
+    squared distance < `threshold`: tokens the singular logits can only tell apart at t near 1."""
+    e = np.asarray(table, np.float64)
+    sq = (e * e).sum(1)
+    d2 = sq[:, None] + sq[None, :] - 2.0 * e @ e.T
+    np.fill_diagonal(d2, np.inf)
+    near = d2.min(1) < threshold
+    w = np.asarray(freq, np.float64)
+    return float((w * near).sum() / max(w.sum(), 1e-300))
