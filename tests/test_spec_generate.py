@@ -127,3 +127,69 @@ def test_ragged_rounds_verify_against_full_recompute_logits(tiny_model, draft_mo
             np.testing.assert_allclose(target_logits[b], ref, atol=1e-4)
         accepted_counts.update((np.asarray(state.lengths) - lengths).tolist())
     assert len(accepted_counts) > 1  # rows really did advance by different amounts
+
+
+def test_standard_rule_with_penalties_and_bias_samples_the_processed_target(tiny_model, draft_model):
+    """Speculative sampling (standard rule, a draft model unlike the target) with repetition /
+    frequency / presence penalties, a logit bias and top-k samples the processed target
+    distribution: token 1 (prefill), token 2 (marginal over token 1) and token 3 given the most
+    frequent (token 1, token 2) -- the position where the round must count its earlier draft --
+    each within Monte-Carlo error of the exact distribution, and token 3 measurably away from
+    what a round that forgot the draft's count would give."""
+    import jax.numpy as jnp
+
+    from relf_jax.sampling import processors
+
+    tg, tp = tiny_model
+    dg, dp = draft_model
+    prompt, n, v = [2, 5, 6, 7], 20000, 61
+    temperature, top_k = 0.5, 30
+    bias = np.zeros(v, np.float32)
+    bias[[3, 9]] = [2.5, -100.0]
+    pen = processors.Penalties(bias=jnp.asarray(bias), repetition=jnp.float32(2.0), frequency=jnp.float32(0.7),
+                               presence=jnp.float32(1.0))
+    sp = spec.SpecParams(jnp.float32(temperature), None, jnp.float32(0.9), jnp.int32(top_k), None, pen)
+    settings = spec.SpecSettings(k=2, rule="standard", proposer="draft", max_new_tokens=3, eos_id=-1)
+    prompts, lens = ar.pad_prompts([prompt] * n)
+    state = spec.generate(tg, tp, prompts, lens, jax.random.key(3), sp, settings, draft_graphdef=dg, draft_params=dp)
+    out = np.asarray(state.tokens)[:, len(prompt):len(prompt) + 3]
+    assert np.all(np.asarray(state.lengths) == len(prompt) + 3) and not np.any(out == 9)
+    assert np.asarray(state.accepted).sum() > 0.2 * n  # the draft is accepted often, and rejected often
+    assert np.asarray(state.accepted).sum() < 1.8 * n
+
+    model = nnx.merge(tg, tp)
+
+    def exact(prefixes, count_drafts=True):
+        """The processed target distribution after each prompt + prefix (float64 [len, V])."""
+        seqs = jnp.asarray([prompt + list(p) for p in prefixes], jnp.int32)
+        logits = model(seqs, jnp.broadcast_to(jnp.arange(seqs.shape[1]), seqs.shape))[0][:, -1]
+        counted = [list(p) if count_drafts else list(p[:1]) for p in prefixes]
+        counts = np.stack([np.bincount(np.asarray(c, int), minlength=v) for c in counted]).astype(np.int32)
+        seen = counts > 0
+        seen[:, prompt] = True
+        x = processors.adjust(logits, pen.replace(counts=jnp.asarray(counts), seen=jnp.asarray(seen)))
+        p = np.exp(np.asarray(processors.log_probs(x, temperature, top_k), np.float64))
+        return p / p.sum(-1, keepdims=True)
+
+    def tv(a, b):
+        return 0.5 * np.abs(a - b).sum()
+
+    def bound(p, m):  # 4x the expected TV of an exact sampler's m-draw histogram
+        return 4.0 * 0.5 * np.sum(np.sqrt(2.0 * p * (1.0 - p) / (np.pi * m)))
+
+    def hist(x):
+        return np.bincount(x, minlength=v) / len(x)
+
+    p1 = exact([()])[0]
+    assert tv(hist(out[:, 0]), p1) < bound(p1, n)
+    p2 = (p1[:, None] * exact([(t,) for t in range(v)])).sum(0)
+    assert tv(hist(out[:, 1]), p2) < bound(p2, n)
+    pairs, counts = np.unique(out[:, :2], axis=0, return_counts=True)
+    t1, t2 = pairs[np.argmax(counts)]
+    rows = (out[:, 0] == t1) & (out[:, 1] == t2)
+    m = int(rows.sum())
+    assert m > 1000
+    p3 = exact([(t1, t2)])[0]
+    assert tv(hist(out[rows, 2]), p3) < bound(p3, m)
+    forgot = exact([(t1, t2)], count_drafts=False)[0]  # token 2's count left out
+    assert tv(hist(out[rows, 2]), forgot) > 2 * bound(p3, m)
