@@ -202,3 +202,30 @@ def test_model_config_rope_validation():
                     rope_high_freq_factor=1.0).check_rope()
     with pytest.raises(ConfigError, match="not valid"):
         make_config("tiny", ["model.rope_scaling=yarn"])
+
+
+def test_jax_export_steps_use_the_scaled_rope(scaled_dir):
+    """jax_export's prefill (a padded prompt) + decode steps: greedy tokens equal transformers'."""
+    kind, path, _ = scaled_dir
+    if kind == "linear":
+        pytest.skip("linear frequencies are static like llama3's")
+    from relf_jax.export import jax_export
+    from relf_jax.export.flat import flat_params
+
+    lm = hf.from_hf(path)
+    model = transformers.LlamaForCausalLM.from_pretrained(path).eval()  # fresh (dynamic rope state)
+    prompt = np.random.default_rng(3).integers(3, 61, size=(1, 20))
+    prompt[:, 0] = 2
+    prefill, decode = (jax.jit(f) for f in jax_export.step_functions(lm.model_cfg, 64))
+    params = {k: jnp.asarray(v) for k, v in flat_params(lm.params).items()}
+    padded = np.zeros((1, 32), np.int32)
+    padded[:, :20] = prompt  # padded past the prompt: the prefill's rope length is still 20
+    logits, cache = prefill(params, jnp.asarray(padded), jnp.asarray([20], jnp.int32))
+    fresh = transformers.LlamaForCausalLM.from_pretrained(path).eval()
+    np.testing.assert_allclose(np.asarray(logits)[0], _hf_logits(fresh, prompt)[0, -1], atol=1e-5, rtol=0)
+    got = []
+    for pos in range(20, 36):
+        tok = int(np.argmax(np.asarray(logits)[0]))
+        got.append(tok)
+        logits, cache = decode(params, jnp.asarray([tok], jnp.int32), jnp.asarray([pos], jnp.int32), cache)
+    assert got == list(_greedy_hf(model, prompt, 16)[0])
