@@ -24,8 +24,9 @@ Variants, all on fixed Gaussian embeddings (non-degenerate, row norm `embed_norm
   context-reading network with the context loss, self-conditioning and guidance as configured).
 
 Reported per variant and sampler (Euler, stochastic; `nfe` steps): the share of samples that are
-a data row (``valid_share``), the share of distinct rows among the samples (``distinct_share``;
-a sampler that always writes the same valid row reads valid 1.0 and distinct 1 / samples), the
+a data row (``valid_share``), the distinct rows among the samples over the most there can be,
+min(samples, words) (``distinct_share``; a sampler that always writes the same valid row reads
+valid 1.0 and distinct 1 / words; ``distinct_rows`` is the count), the
 entropy of the sampled rows' empirical distribution (``sample_entropy``, nats; the data's is
 log(words)), and the CE of the posterior at the word positions at a few times t.
 Measured (`benchmarks/relf_toy_cpu.json`, README's ReLF section): at 600 steps the shipped
@@ -130,9 +131,17 @@ def valid_share(samples: np.ndarray, rows: np.ndarray) -> float:
     return float(np.mean([(data == s).all(1).any() for s in samples]))
 
 
-def distinct_share(samples: np.ndarray) -> float:
-    """Distinct rows among the sampled rows [n, L], over n: 1 / n for a collapsed sampler."""
-    return len({tuple(r) for r in np.asarray(samples).tolist()}) / max(len(samples), 1)
+def distinct_rows(samples: np.ndarray) -> int:
+    """How many distinct rows the sampled rows [n, L] hold."""
+    return len({tuple(r) for r in np.asarray(samples).tolist()})
+
+
+def distinct_share(samples: np.ndarray, data_rows: int | None = None) -> float:
+    """Distinct sampled rows over the most a faithful sampler could write, min(n, data_rows)
+    (`data_rows` None: n): 1 / min(n, data_rows) for a collapsed sampler, ~1 for one that covers
+    the data. Read it next to the valid share (distinct invalid rows count too)."""
+    n = len(samples) if data_rows is None else min(len(samples), data_rows)
+    return min(1.0, distinct_rows(samples) / max(n, 1))
 
 
 def sample_entropy(samples: np.ndarray) -> float:
@@ -241,7 +250,8 @@ def bench_relf_toy(out: str, quick: bool = False, workdir: str | None = None, ov
                                                                       length=sz.length)[0])
             samples = np.asarray(draw(jax.random.key(sz.seed + 1)))
             row = {"variant": variant, "sampler": sampler, "nfe": sz.nfe,
-                   "valid_share": valid_share(samples, rows), "distinct_share": distinct_share(samples),
+                   "valid_share": valid_share(samples, rows), "distinct_share": distinct_share(samples, sz.words),
+                   "distinct_rows": distinct_rows(samples),
                    "sample_entropy": sample_entropy(samples), "data_entropy": float(np.log(sz.words)),
                    "word_ce": ce}
             result["rows"].append(row)

@@ -50,7 +50,7 @@ def test_bench_relf_toy_runs_and_the_exact_posterior_samples_valid_rows(tmp_path
     for r in report["rows"]:
         assert 0 < r["distinct_share"] <= 1 and 0 <= r["sample_entropy"] <= np.log(32) + 1e-9
     # the exact posterior draws the six rows about uniformly: many distinct rows, near-data entropy
-    assert rows["exact", "stochastic"]["distinct_share"] == 6 / 32
+    assert rows["exact", "stochastic"]["distinct_share"] == 1.0 and rows["exact", "stochastic"]["distinct_rows"] == 6
     assert rows["exact", "stochastic"]["sample_entropy"] > 0.8 * np.log(6)
     # the samplers with the exact posterior return data rows: the reference every model is read against
     assert rows["exact", "euler"]["valid_share"] >= 0.9 and rows["exact", "stochastic"]["valid_share"] >= 0.9
@@ -64,7 +64,7 @@ def test_bench_relf_toy_runs_and_the_exact_posterior_samples_valid_rows(tmp_path
 
 def test_a_collapsed_sampler_reads_valid_but_not_distinct():
     """A denoiser whose data is one row returns that row every time: valid share 1, distinct
-    share 1 / n (~0), sample entropy 0: what valid share alone would have hidden."""
+    share 1 / min(n, rows) (~0), sample entropy 0: what valid share alone would have hidden."""
     import jax
     import jax.numpy as jnp
 
@@ -78,5 +78,6 @@ def test_a_collapsed_sampler_reads_valid_but_not_distinct():
     samples = np.asarray(sample(jax.random.key(0), collapsed, table,
                                 FlowSamplerSettings(nfe=8, sampler="stochastic", c=1e4), batch=64, length=8)[0])
     assert valid_share(samples, rows) == 1.0
-    assert distinct_share(samples) == 1 / 64 and sample_entropy(samples) == 0.0
+    assert distinct_share(samples) == 1 / 64 and distinct_share(samples, 6) == 1 / 6
+    assert sample_entropy(samples) == 0.0
     assert distinct_share(rows[:, :8]) == 1.0 and sample_entropy(rows[:, :8]) == pytest.approx(np.log(6))
