@@ -113,6 +113,15 @@ def run_demo(quick: bool = False, workdir: Optional[str] = None, overrides: Sequ
                      steps=max(1, relf_steps // 8))
     reflowed = workflows.load_model(os.path.join(cfg.workdir, "relf_reflow2"), "relf")
     rows.append(_relf_row(reflowed, judge, sc.num_samples, "relf euler reflow2", nfe=16, sampler="euler"))
+    # the reference a whole-sequence model must beat: every position drawn from its own unigram
+    # frequencies (a flow model stuck at the positional prior scores like this row)
+    from experiments.bench_relf import positional_unigram_samples
+
+    s = positional_unigram_samples(workflows.prepare_data(cfg), relf.tokenizer, sc.num_samples, cfg.data.seq_len)
+    q = workflows.evaluate_samples(s, judge)
+    rows.append({"method": "positional unigram (reference)", "nfe": None, "gen_ppl": q["gen_ppl"],
+                 "entropy": q["entropy"], "tokens_per_s": None, "distinct_2": q["distinct_2"],
+                 "mean_tokens": q["mean_tokens"]})
 
     # block diffusion: same width and depth, a quarter of the AR budget (each step trains on
     # noisy + clean copies, about twice an AR step); confidence-threshold decoding, threshold

@@ -22,7 +22,7 @@ def test_demo_quick_writes_report_and_reuses_its_cache(tmp_path, capsys):
     assert "spec nsd p=0.9 k=4 corpus n-gram" in methods
     assert os.path.exists(os.path.join(wd, "ar", "ngram_draft_o3_m16.npz"))
     assert json.load(open(os.path.join(wd, "rcsd", "progress.json")))["trained"] == 2
-    assert {"relf stochastic", "relf euler", "relf euler reflow2"} <= set(methods)
+    assert {"relf stochastic", "relf euler", "relf euler reflow2", "positional unigram (reference)"} <= set(methods)
     assert any(m.startswith("block diffusion d=8") for m in methods)
     assert [r["nfe"] for r in report["rows"] if r["method"].startswith("relf")] == [64, 16, 16]
     reflow = json.load(open(os.path.join(wd, "reflow.json")))
