@@ -127,6 +127,7 @@ def test_corpus_ngram_proposer_from_the_command_line_and_the_engine(capsys, cb_r
                         "sample.max_new_tokens=8", "sample.num_samples=2", "speculative.rule=standard",
                         "speculative.proposer=corpus_ngram", "speculative.corpus_order=2")
     assert rc == 0 and out.strip() and "per target forward" in err, err
+    assert "counts the model's training corpus (data.source=chatterbot" in err  # says where the table is from
     assert [os.path.basename(p) for p in glob.glob(os.path.join(cb_run, "**", "ngram_draft_*.npz"),
                                                    recursive=True)] == ["ngram_draft_o2_m16.npz"]
     eng = load_engine(cb_run, "nsd", proposer="corpus_ngram", slots=1)

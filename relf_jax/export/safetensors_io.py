@@ -27,15 +27,21 @@ from relf_jax.export.flat import flat_params, params_from_flat, save_checkpoint
 
 FORMAT = "relf_jax/1"
 EMBEDDINGS = "flow.embeddings"
+LENGTHS = "flow.lengths"
 
 
 def _extras_from_dir(lm: LoadedModel) -> dict[str, np.ndarray]:
+    from relf_jax.workflows import LENGTHS_FILE
+
     extras = dict(lm.extras)
     path = os.path.join(lm.model_dir, EMBEDDINGS_FILE) if lm.model_dir else ""
     if lm.model_cfg.family == "relf" and EMBEDDINGS not in extras:
         if not (path and os.path.exists(path)):
             raise UserError(f"a ReLF model needs its fixed embeddings; {path or 'the model directory'} has none")
         extras[EMBEDDINGS] = np.load(path)
+    lengths = os.path.join(lm.model_dir, LENGTHS_FILE) if lm.model_dir else ""
+    if lm.model_cfg.family == "relf" and LENGTHS not in extras and lengths and os.path.exists(lengths):
+        extras[LENGTHS] = np.load(lengths)  # a model trained on segment rows: its segment-length prior
     return extras
 
 
@@ -91,6 +97,10 @@ def import_safetensors(path: str, out: str, *, mesh=None) -> LoadedModel:
     os.makedirs(model_dir, exist_ok=True)
     if EMBEDDINGS in lm.extras:
         np.save(os.path.join(model_dir, EMBEDDINGS_FILE), lm.extras[EMBEDDINGS])
+    if LENGTHS in lm.extras:
+        from relf_jax.workflows import LENGTHS_FILE
+
+        np.save(os.path.join(model_dir, LENGTHS_FILE), lm.extras[LENGTHS])
     lm = dataclasses.replace(lm, cfg=dataclasses.replace(lm.cfg, workdir=out), model_dir=model_dir)
     save_checkpoint(lm, model_dir, extra_meta={"source": f"safetensors:{os.path.abspath(path)}"})
     return lm
