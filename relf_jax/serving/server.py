@@ -87,7 +87,7 @@ class _LogProbs:
     ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``;
     completions ``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``
     (the top dict holds the sampled token too, as OpenAI's legacy API). Token strings are the
-    tokenizer's decoding of the one id."""
+    tokenizer's decoding of the one id (a special token: its piece, e.g. ``<|im_end|>``)."""
 
     def __init__(self, tokenizer, chat: bool, top: int):
         self.tok, self.chat, self.top = tokenizer, chat, top
@@ -95,8 +95,9 @@ class _LogProbs:
 
     def name(self, i: int) -> str:
         s = self._names.get(i)
-        if s is None:
-            s = self._names[i] = self.tok.decode([i])
+        if s is None:  # a special token by its piece (the reply's text never shows it)
+            special = i in (getattr(self.tok, "special_ids", None) or ()) and hasattr(self.tok, "id_to_piece")
+            s = self._names[i] = self.tok.id_to_piece(i) if special else self.tok.decode([i])
         return s
 
     def _chat_entry(self, t: int, entry) -> dict:
