@@ -411,3 +411,37 @@ def test_the_default_config_is_the_context_reading_relf():
         make_config("cpu", ["model=relf", "model.num_layers=3"])
     assert make_config("cpu", ["model.num_layers=3"]).model.num_layers == 3
     assert make_config("cpu", ["model=relf", "model.num_layers=3", "flow.blind_spot=false"])
+
+
+def test_segment_length_prior_draws_and_travels_with_safetensors(tmp_path):
+    from relf_jax import workflows
+    from relf_jax.checkpoint import EMBEDDINGS_FILE, LoadedModel
+    from relf_jax.data.tokenizer import train_tokenizer
+    from relf_jax.export import safetensors_io
+
+    counts = np.zeros(9, np.int64)
+    counts[[3, 5, 8]] = [10, 30, 5]
+    rng = np.random.default_rng(0)
+    drawn = workflows.draw_segment_lengths(counts, rng, 2000)
+    assert set(drawn.tolist()) == {3, 5, 8} and abs(np.mean(drawn == 5) - 30 / 45) < 0.04
+    long_prompt = workflows.draw_segment_lengths(counts, rng, 50, min_len=6)
+    assert set(long_prompt.tolist()) == {8}  # longer than the prompt
+    assert workflows.draw_segment_lengths(counts, rng, 1, min_len=9).tolist() == [8]  # none fits: the longest
+    np.testing.assert_array_equal(workflows.segment_rows(np.asarray([2, 4]), 5),
+                                  [[1, 1, 0, 0, 0], [1, 1, 1, 1, 0]])
+    # a model trained on segment rows keeps its prior through a safetensors round trip
+    cfg = make_config("tiny", ["model=relf"])
+    tok = train_tokenizer(["one two three", "two three four five"] * 20, 40)
+    mc = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size)
+    g, p = nnx.split(build_model(mc, nnx.Rngs(0)))
+    model_dir = tmp_path / "relf"
+    model_dir.mkdir()
+    np.save(model_dir / EMBEDDINGS_FILE, np.ones((mc.vocab_size, mc.flow_embed_dim), np.float32))
+    np.save(model_dir / workflows.LENGTHS_FILE, counts)
+    lm = LoadedModel(cfg=cfg, model_cfg=mc, graphdef=g, params=p, tokenizer=tok, step=1,
+                     model_dir=str(model_dir))
+    np.testing.assert_array_equal(workflows.flow_lengths(lm), counts)
+    back = safetensors_io.load_safetensors(safetensors_io.save_safetensors(lm, str(tmp_path / "m.safetensors")))
+    np.testing.assert_array_equal(workflows.flow_lengths(back), counts)
+    no_prior = dataclasses.replace(lm, model_dir=str(tmp_path))
+    assert workflows.flow_lengths(no_prior) is None  # a model trained on whole rows
