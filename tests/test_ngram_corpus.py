@@ -124,11 +124,15 @@ def test_online_table_counts_the_traffic_within_its_bound():
     assert _row(o.table, [30, 31]) == {32: 1.0} and _row(o.table, [31, 32]) == {30: 0.75, 0: 0.25}
     assert [_row(o.table, [i, i + 1]) != {} for i in range(6)] == [True] * 5 + [False]
     assert _row(o.table, [32, 0]) == {}
-    # seed rows always count, refresh_tokens batches the rebuilds
-    s = nd.OnlineNgram(50, max_tokens=8, refresh_tokens=10, seed_rows=[[7, 8, 9]])
-    assert _lookup(s.table, [7, 8]) == {9: 1.0}
-    assert not s.add([1, 2, 3]) and s.builds == 1
-    assert s.add([1, 2, 3, 4, 5, 6, 7]) and s.builds == 2 and _lookup(s.table, [7, 8]) == {9: 1.0}
+    # seed rows always count; rebuilds come once the new tokens reach refresh_tokens or the
+    # tokens counted last time, whichever is fewer
+    s = nd.OnlineNgram(50, max_tokens=100, refresh_tokens=10, seed_rows=[[7, 8, 9]])
+    assert _lookup(s.table, [7, 8]) == {9: 1.0} and s.builds == 1
+    assert s.add([1, 2, 3]) and s.builds == 2  # the first traffic: at once
+    assert not s.add([1, 2]) and s.add([4]) and s.builds == 3  # 3 new >= 3 counted
+    assert not s.add([1] * 5) and s.add([1] * 5) and s.builds == 4  # 10 new >= 6 counted
+    assert [s.add([2] * 3) for _ in range(4)] == [False, False, False, True]  # refresh_tokens = 10
+    assert _lookup(s.table, [7, 8]) == {9: 1.0} and s.tokens == 28
 
 
 def test_served_requests_update_the_online_table_and_replies_stay_exact():
