@@ -682,8 +682,9 @@ def corpus_ngram_table(lm: LoadedModel, order: int = 3, top_m: int = 16, *, file
         return ngram_draft.build_ngram_draft(rows, lm.model_cfg.vocab_size, order=order, top_m=top_m)
     if not trained_by_relf_jax(lm):
         raise UserError("proposer corpus_ngram: this model was imported (HuggingFace), and relf_jax does not have "
-                        "its training text; name text to count (--ngram-corpus FILE..., ngram_corpus=[...]) or "
-                        "count the traffic served (--ngram-corpus online)")
+                        "its training text; name text to count (relf-jax serve --ngram-corpus FILE..., or "
+                        "ngram_corpus=[...] in load_engine / ChatModel.load) or count the traffic served "
+                        "(--ngram-corpus online)")
     print(f"[corpus_ngram] the n-gram table counts the model's training corpus (data.source="
           f"{lm.cfg.data.source}, up to {NGRAM_DOCS} documents)", file=sys.stderr, flush=True)
     path = os.path.join(lm.model_dir, f"ngram_draft_o{order}_m{top_m}.npz")
