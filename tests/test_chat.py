@@ -47,3 +47,45 @@ def test_chat_model_chats_and_streams():
         next(stream)
         stream.close()  # abandoning a stream frees its slot
         assert bot.chat(msgs) == "good morning"
+
+
+def test_jinja_templates_render_as_transformers_does(tmp_path):
+    """Sandboxed, trim_blocks + lstrip_blocks, special tokens and tools in scope, plain-JSON tojson,
+    loop controls, strftime_now, raise_exception as a UserError."""
+    msgs = [{"role": "developer", "content": "be <brief>"}, {"role": "user", "content": "hi"}]
+    t = ChatTemplate(jinja="{{ bos_token }}\n{% for m in messages %}\n  {% if m.role == 'user' %}\n"
+                           "{{ m.role }}: {{ m.content | tojson }}\n    {% continue %}\n  {% endif %}\n"
+                           "[{{ m.role }}] {{ m.content }}\n{% endfor %}\n{% if tools is none %}no tools{% endif %}"
+                           "{% if strftime_now('%Y') | int > 2000 %}.{% endif %}")
+    assert t.render(msgs, special_tokens={"bos_token": "<s>"}) == '<s>\n[system] be <brief>\nuser: "hi"\nno tools.'
+    dev = ChatTemplate(jinja="{% for m in messages %}{{ m.role }} {% endfor %}{# developer #}")
+    assert dev.render(msgs) == "developer user "  # the template knows the role: passed as is
+    refuse = ChatTemplate(jinja="{{ raise_exception('only one message, please') }}")
+    with pytest.raises(UserError, match="refused the messages: only one message"):
+        refuse.render(msgs)
+    with pytest.raises(UserError, match="chat template failed"):
+        ChatTemplate(jinja="{% set ns = namespace(_x=1) %}").render(msgs)
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% if %}")
+    with pytest.raises(UserError, match="not valid Jinja"):
+        ChatTemplate.from_file(str(bad))
+
+
+def test_chat_model_uses_the_tokenizers_template_and_defaults():
+    from relf_jax.serving.chat import encode_chat
+    from relf_jax.serving.engines import ByteTokenizer
+
+    class ChatBytes(ByteTokenizer):  # a template, special tokens and defaults of its own
+        chat_template = "{{ bos_token }}{% for m in messages %}<user>{{ m.content }}{% endfor %}<assistant>"
+        special_tokens_map = {"bos_token": "<user>"}  # noqa: RUF012
+        generation_defaults = {"temperature": 0.0}  # noqa: RUF012
+
+    engine = MockEngine(2, step_s=0.001)
+    engine.tokenizer = ChatBytes()
+    msgs = [{"role": "user", "content": "hey"}]
+    with ChatModel(engine) as bot:
+        assert bot.template.jinja == ChatBytes.chat_template
+        ids = bot.prompt_ids(msgs)
+        # the template wrote the bos token's text first: no BOS id is added before it
+        assert ids == encode_chat(engine.tokenizer, bot.template, msgs) and ids[0] == 4 and 2 not in ids
+        assert bot.chat(msgs) == "hey"

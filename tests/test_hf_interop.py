@@ -133,9 +133,14 @@ def test_export_hf_round_trip_of_a_relf_jax_model(tmp_path, tiny_model, tiny_mod
     for t in texts[:20] + ["<user> how is the weather ? <assistant> fine"]:
         assert hf_tok(t, add_special_tokens=False).input_ids == tok.encode(t)
     assert hf_tok.decode(tok.encode(texts[0])) == texts[0]
+    from relf_jax.data.tokenizer import encode_prompt
+
+    assert hf_tok(texts[2]).input_ids == encode_prompt(tok, texts[2])  # the BOS relf_jax's prompts start with
     # and back in: HF -> relf_jax gives the same logits
     back = hf.from_hf(out)
     np.testing.assert_allclose(_ours_logits(back, tokens), _ours_logits(lm, tokens), atol=1e-4, rtol=0)
+    assert back.tokenizer.add_bos and back.tokenizer.eos_ids == (tok.eos_id,)
+    assert back.tokenizer.encode(texts[3]) == tok.encode(texts[3])
     # a directory with only a SentencePiece tokenizer.model (as many Llama checkpoints ship)
     import shutil
 

@@ -113,3 +113,33 @@ def test_turn_stop_ids_with_and_without_pad():
     tok = ByteTokenizer()  # pad 0, eos 1, <user> 4
     assert turn_stop_ids(tok) == (1, 4)
     assert turn_stop_ids(tok, pad=True) == (1, 4, 0)  # block diffusion: pad ends the reply too
+
+
+def test_lone_surrogates_are_user_errors(tok):
+    from relf_jax.errors import UserError
+
+    with pytest.raises(UserError, match=r"lone surrogate \\udc00 at character 2"):
+        tok.encode("ab\udc00")
+    with pytest.raises(UserError, match="surrogate"):
+        tok.encode_batch(["fine", "a\ud800b"])
+    assert tok.encode("a\U0001f642b")  # a proper pair (one astral character) is fine
+
+
+def test_hf_tokenizer_stops_at_every_eos_and_hides_special_tokens():
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers
+
+    from relf_jax.data.tokenizer import HFTokenizer, encode_prompt, turn_stop_ids
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "hello", "there", "you"])}
+    backend = Backend(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens(["<|end|>", "<|eot|>", "<|start|>"])
+    end, eot, start = (backend.token_to_id(t) for t in ("<|end|>", "<|eot|>", "<|start|>"))
+    tok = HFTokenizer(backend.to_str(), bos_id=end, eos_id=eot, eos_ids=(eot, end), pad_id=end, add_bos=False)
+    assert tok.eos_ids == (eot, end) and set(turn_stop_ids(tok)) == {eot, end}
+    assert tok.encode("hello <|start|> you") == [1, start, 3]  # special tokens in text: their single ids
+    assert tok.decode([1, start, 2, end, 3]) == "hello there"
+    assert encode_prompt(tok, "hello") == [1] and encode_prompt(tok, "") == [end]
+    with pytest.raises(Exception, match="surrogate"):
+        tok.encode("a\ud800b")

@@ -428,8 +428,8 @@ def same_tokenization(a, b) -> bool:
     """Whether two tokenizers map text to the same ids (a draft and its target must): the same
     vocabulary and rules. Chat templates and generation defaults may differ."""
     def key(tok):
-        if isinstance(tok, HFTokenizer):
-            return "hf", tok._json
+        if isinstance(tok, HFTokenizer):  # the backend's own serialization: file formatting aside
+            return "hf", tok.backend.to_str()
         if isinstance(tok, Tokenizer):
             return "spm", tok._proto
         return type(tok).__name__, tok.to_bytes() if hasattr(tok, "to_bytes") else id(tok)

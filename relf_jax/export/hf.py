@@ -538,39 +538,59 @@ def export_hf(lm: LoadedModel, out: str, *, check_texts: Sequence[str] = ()) -> 
     """Write `lm` (an AR model) as a HuggingFace directory that ``transformers`` loads.
 
     Files: config.json, generation_config.json, model.safetensors (float32),
-    tokenizer.json + tokenizer_config.json (and tokenizer.model for a SentencePiece tokenizer).
-    Returns `out`.
+    tokenizer.json + tokenizer_config.json (and tokenizer.model for a SentencePiece tokenizer),
+    chat_template.jinja (+ additional_chat_templates/) when the tokenizer has templates.
+    ``tokenizer(text)`` in transformers gives relf_jax's prompt ids (`encode_prompt`: a BOS where
+    relf_jax puts one); generation_config.json lists every EOS id and the generation defaults
+    (with ``do_sample: true`` when they include sampling settings). Returns `out`.
     """
     from safetensors.numpy import save_file
+    from tokenizers import Tokenizer as _Backend
+    from tokenizers import processors
 
     if lm.model_cfg.family != "ar":
         raise UserError(f"--format hf exports AR models; this is a {lm.model_cfg.family!r} model "
                         "(use --format safetensors)")
     tok = lm.tokenizer
     os.makedirs(out, exist_ok=True)
+    piece = tok.id_to_piece
     if isinstance(tok, HFTokenizer):
         tok_json = tok.backend.to_str()
+        names = dict(tok.special_tokens_map)
     else:
-        tok_json = spm_to_tokenizer_json(tok, check_texts)
+        backend = _Backend.from_str(spm_to_tokenizer_json(tok, check_texts))
+        bos = piece(tok.bos_id)  # relf_jax's prompts start with BOS: so does tokenizer(text)
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.bos_id)])
+        tok_json = backend.to_str()
         tok.save(os.path.join(out, "tokenizer.model"))
+        names = {"bos_token": bos, "eos_token": piece(tok.eos_id), "pad_token": piece(tok.pad_id)}
+        if getattr(tok, "unk_id", -1) >= 0:
+            names["unk_token"] = piece(tok.unk_id)
     with open(os.path.join(out, "tokenizer.json"), "w", encoding="utf-8") as f:
         f.write(tok_json)
-    piece = tok.id_to_piece
-    tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": piece(tok.bos_id),
-            "eos_token": piece(tok.eos_id), "pad_token": piece(tok.pad_id), "add_bos_token": False,
+    tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", **names, "add_bos_token": bool(tok.add_bos),
             "add_eos_token": False, "model_max_length": lm.model_cfg.max_seq_len}
-    if getattr(tok, "unk_id", -1) >= 0:
-        tcfg["unk_token"] = piece(tok.unk_id)
+    eos_ids = list(tok.eos_ids)
+    gen = {"bos_token_id": tok.bos_id, "eos_token_id": eos_ids if len(eos_ids) > 1 else tok.eos_id,
+           "pad_token_id": tok.pad_id, **tok.generation_defaults}
+    if set(tok.generation_defaults) - {"repetition_penalty"}:
+        gen["do_sample"] = True
     ids = {"bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id}
     files = {
         "config.json": hf_config_from_model(lm.model_cfg, **ids),
-        "generation_config.json": {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id,
-                                   "pad_token_id": tok.pad_id},
+        "generation_config.json": gen,
         "tokenizer_config.json": tcfg,
     }
     for name, obj in files.items():
         with open(os.path.join(out, name), "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2)
+    for name, source in tok.chat_templates.items():
+        dest = os.path.join(out, "chat_template.jinja" if name == "default" else
+                            os.path.join("additional_chat_templates", f"{name}.jinja"))
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        with open(dest, "w", encoding="utf-8") as f:
+            f.write(source)
     tensors = hf_tensors_from_params(lm.model_cfg, flat_params(lm.params))
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     return out
