@@ -92,6 +92,8 @@ class ModelConfig:
         if self.rope_scaling == "none":
             return
         what = f"model.rope_scaling={self.rope_scaling}"
+        _check(self.family in ("ar", "bd"), f"{what} applies to the ar and bd families (their decoder stack), "
+                                            f"not {self.family!r}")
         _check(self.rope_factor >= 1.0, f"{what} needs model.rope_factor >= 1, got {self.rope_factor}")
         if self.rope_scaling in ("llama3", "dynamic"):
             _check(self.rope_original_max_len > 0,

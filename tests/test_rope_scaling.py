@@ -229,3 +229,11 @@ def test_jax_export_steps_use_the_scaled_rope(scaled_dir):
         got.append(tok)
         logits, cache = decode(params, jnp.asarray([tok], jnp.int32), jnp.asarray([pos], jnp.int32), cache)
     assert got == list(_greedy_hf(model, prompt, 16)[0])
+
+
+def test_rope_scaling_is_for_the_decoder_families():
+    from relf_jax.config import make_config
+
+    with pytest.raises(ConfigError, match="ar and bd families"):
+        make_config("tiny", ["model.family=relf", "model.rope_scaling=linear", "model.rope_factor=2"])
+    assert make_config("tiny", ["model.family=bd", "model.rope_scaling=linear", "model.rope_factor=2"])
