@@ -186,3 +186,19 @@ def test_serve_flag_parses():
                                       "--ngram-online-tokens", "4096"])
     assert args.ngram_corpus == ["a.txt", "dir/", "online"] and args.ngram_online_tokens == 4096
     assert build_parser().parse_args(["serve", "--workdir", "w"]).ngram_corpus is None
+
+
+def test_a_padded_table_proposes_what_the_plain_one_does():
+    """Capacity only pads (rows that never match): with room for every context, the proposals
+    equal the unpadded table's, through the direct-address index (V = 40) and the binary search
+    (V = 5000) alike."""
+    rng = np.random.default_rng(0)
+    for vocab in (40, 5000):
+        rows = [rng.integers(0, 12, size=30) for _ in range(8)]
+        plain = nd.build_ngram_draft(rows, vocab, top_m=4)
+        padded = nd.build_ngram_draft(rows, vocab, top_m=4, capacity=plain.keys[1].shape[0] + 7)
+        assert padded.keys[1].shape[0] == plain.keys[1].shape[0] + 7
+        ctx = jnp.asarray(rng.integers(0, 14, size=(64, 2)), jnp.int32)
+        valid = jnp.asarray(rng.integers(0, 3, size=64))
+        for a, b in zip(nd.next_candidates(plain, ctx, valid), nd.next_candidates(padded, ctx, valid)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
