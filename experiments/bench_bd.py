@@ -9,7 +9,8 @@ samples whole conversations (unconditional, up to ``seq_len`` tokens) from both:
   (AR gen PPL interpolated in log space at the row's entropy, `ar_ppl_at_entropy`);
 - block diffusion (block ``model.block_size``, threshold ``sample.threshold``): the default
   decoder (a position's confidence is its top probability) at temperatures `BD_TEMPERATURES`,
-  greedy, and the old commit rule (confidence of the sampled token) at T = 1.
+  the old commit rule (confidence of the sampled token) at T = 1, and lower thresholds
+  (`LOWER_THRESHOLDS`, T = 1): the price of committing more positions per step.
 
 Each row carries gen PPL, entropy, mean words, and for block diffusion the positions committed per
 denoising step (every position of the decoded blocks) and the output tokens (up to the stop
@@ -41,9 +42,11 @@ from experiments.bench_relf import AR_TEMPERATURES, QUICK_AR_TEMPERATURES, ar_pp
 from relf_jax.config import make_config
 
 BUDGETS = (600, 1200)
-BD_TEMPERATURES = (0.8, 0.9, 1.0)
+BD_TEMPERATURES = (0.9, 1.0)
 QUICK_BD_TEMPERATURES = (1.0,)
-TARGET_RATIO, TARGET_TOKENS_PER_STEP = 1.5, 1.5
+# lower thresholds at T = 1: what committing several positions per step costs on this corpus
+LOWER_THRESHOLDS = (0.7, 0.5)
+TARGET_RATIO, TARGET_TOKENS_PER_STEP, TARGET_THRESHOLD = 1.5, 1.5, 0.95
 
 
 def text_tokens_per_step(cfg, builder, tok, rows: str, align: int, batches: int = 20) -> float:
@@ -146,13 +149,17 @@ def bench_bd(out: str, quick: bool = False, workdir: str | None = None, override
         bcfg = make_config(preset, [*overrides, f"train.steps={steps}", "model=bd", *extra], workdir=wd)
         workflows.train_lm(bcfg)
         lm = workflows.load_model(wd, "bd")
-        runs = [(t, "max") for t in bd_temps] + [(0.0, "max"), (1.0, "sampled")]
+        thr = lm.cfg.sample.threshold
+        runs = [(t, "max", thr) for t in bd_temps] + [(1.0, "sampled", thr)]
+        runs += [(1.0, "max", x) for x in ((LOWER_THRESHOLDS[:1] if quick else LOWER_THRESHOLDS)
+                                           if variant == "bd" else ())]
         if variant != "bd":
-            runs = [(1.0, "max"), (1.0, "sampled")]
-        for t, rule in runs:
-            sc = dataclasses.replace(lm.cfg.sample, temperature=t, confidence=rule, num_samples=n,
+            runs = [(1.0, "max", thr), (1.0, "sampled", thr)]
+        for t, rule, x in runs:
+            sc = dataclasses.replace(lm.cfg.sample, temperature=t, confidence=rule, num_samples=n, threshold=x,
                                      max_new_tokens=bcfg.data.seq_len - 1)
-            name = f"bd T={t:g}" + ("" if rule == "max" else " sampled-confidence")
+            name = (f"bd T={t:g}" + ("" if rule == "max" else " sampled-confidence")
+                    + ("" if x == thr else f" thr={x:g}"))
             measure({"method": name, "variant": variant, "train_steps": steps, "temperature": t, "confidence": rule,
                      "threshold": sc.threshold, "block_size": lm.model_cfg.block_size},
                     lambda sc=sc: workflows.sample_bd(lm, n=n, sample_cfg=sc))
@@ -181,6 +188,10 @@ def targets(rows: Sequence[dict], budgets: Sequence[int]) -> dict:
         ar = [r for r in rows if r["variant"] == "ar" and r["train_steps"] == steps and r["gen_ppl"]]
         bd = [r for r in rows if r["variant"] == "bd" and r["train_steps"] == steps and r.get("confidence") == "max"
               and r["temperature"] > 0]
+        lower = {r["method"]: {"threshold": r["threshold"], "gen_ppl": r["gen_ppl"], "entropy": r["entropy"],
+                               "committed_per_step": r.get("committed_per_step")}
+                 for r in bd if r.get("threshold", TARGET_THRESHOLD) != TARGET_THRESHOLD}
+        bd = [r for r in bd if r.get("threshold", TARGET_THRESHOLD) == TARGET_THRESHOLD]
         if not ar or not bd:
             continue
         per = {}
@@ -194,7 +205,8 @@ def targets(rows: Sequence[dict], budgets: Sequence[int]) -> dict:
         out[f"steps{steps}"] = {"rows": per, "headline": best,
                                 "ratio_target": f"<= {TARGET_RATIO}", "tokens_per_step_target": f">= {TARGET_TOKENS_PER_STEP}",
                                 "ratio_met": best["ratio"] <= TARGET_RATIO and best["entropy_outside_ar_sweep_nats"] == 0,
-                                "tokens_per_step_met": (best["committed_per_step"] or 0) >= TARGET_TOKENS_PER_STEP}
+                                "tokens_per_step_met": (best["committed_per_step"] or 0) >= TARGET_TOKENS_PER_STEP,
+                                "lower_thresholds_t1": lower}
         t1 = next((r for r in bd if r["temperature"] == 1.0), None)
         if t1 is not None:
             curve.append((steps, t1["gen_ppl"], t1["entropy"]))
@@ -220,7 +232,7 @@ def plot(rows: Sequence[dict], budgets: Sequence[int], path: str) -> None:
         for r in bd:
             marker = "x" if r.get("confidence") == "sampled" else ("s" if r["temperature"] == 0 else "^")
             ax.scatter(r["entropy"], r["gen_ppl"], marker=marker, color=color, s=40)
-            ax.annotate(f"T={r['temperature']:g}" + (" old rule" if r.get("confidence") == "sampled" else ""),
+            ax.annotate(r["method"].replace("bd ", "").replace("sampled-confidence", "old rule"),
                         (r["entropy"], r["gen_ppl"]), textcoords="offset points", xytext=(3, 3), fontsize=7)
     for r in rows:
         if r["variant"] == "bd_documents" and r["gen_ppl"]:

@@ -32,6 +32,11 @@ def test_targets_match_entropy_and_budget():
     # the old rule's row is never the headline; T=1 gen PPL rose from 120 to 150: not falling
     assert "bd T=1 sampled-confidence" not in out["steps600"]["rows"]
     assert out["bd_t1_gen_ppl_falls_with_budget"] is False
+    # a lower-threshold row is reported on its own, never as the headline
+    low = dict(_bd(600, 1.0, 3.2, 60.0, per_step=3.0), method="bd T=1 thr=0.5", threshold=0.5)
+    out = targets(rows + [low], (600, 1200))
+    assert out["steps600"]["headline"]["ratio"] == pytest.approx(120 / math.sqrt(5000))
+    assert out["steps600"]["lower_thresholds_t1"]["bd T=1 thr=0.5"]["committed_per_step"] == 3.0
 
 
 def test_plot_writes_a_png(tmp_path):
