@@ -202,3 +202,34 @@ def test_a_padded_table_proposes_what_the_plain_one_does():
         valid = jnp.asarray(rng.integers(0, 3, size=64))
         for a, b in zip(nd.next_candidates(plain, ctx, valid), nd.next_candidates(padded, ctx, valid)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_live_server_on_an_imported_folder_counts_its_traffic(tmp_path):
+    """`relf-jax serve --model HF_DIR --generator standard --proposer corpus_ngram --ngram-corpus
+    online`, in process: a chat request through the OpenAI client is answered, and its prompt
+    and reply are in the engine's table afterwards."""
+    transformers = pytest.importorskip("transformers")
+    openai = pytest.importorskip("openai")
+    from relf_jax.serving.server import build_models
+    from tests._serving import live_server
+    from tests.test_hf_interop import _save
+
+    cfg = transformers.LlamaConfig(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                   bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    path, _ = _save(tmp_path, "llama", transformers.LlamaForCausalLM, cfg)
+    models = build_models(path, ["standard"], model_name="m", slots=2, warmup=False, proposer="corpus_ngram",
+                          ngram_corpus=["online"], ngram_online_tokens=256)
+    engine = models["m"][0].engine
+    assert engine.ngram_online.builds == 1 and engine.ngram_online.tokens == 0
+    with live_server(models) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        out = client.completions.create(model="m", prompt="hello there how are you", max_tokens=6, temperature=0)
+    assert out.choices[0].finish_reason in ("stop", "length")
+    online = engine.ngram_online
+    assert online.builds == 2 and 0 < online.tokens <= 256 and engine.ngram_table is online.table
+    prompt = engine.tokenizer.encode("hello there how are you")
+    row = [int(t) for t in online.rows[0]]  # the prompt's ids (after a BOS, if the model adds one), then the reply
+    start = row.index(prompt[0])
+    assert start <= 1 and row[start:start + len(prompt)] == prompt and len(row) > start + len(prompt)
+    assert _row(engine.ngram_table, prompt[:2]) == {prompt[2]: 1.0}
