@@ -424,6 +424,7 @@ def test_import_hf_checkpoint_keeps_the_chat_tokenizer(tmp_path, qwen_model):
         workflows.load_model(path, "bd")
 
 
+@pytest.mark.entry
 def test_cli_serve_model_takes_an_hf_folder(monkeypatch, qwen_model):
     """`relf-jax serve --model <hf folder>`: the folder's template, BOS/EOS and tokens are used; a
     T = 0 reply equals transformers' greedy output from the same prompt ids."""
@@ -462,6 +463,7 @@ def test_cli_serve_model_takes_an_hf_folder(monkeypatch, qwen_model):
     assert main(["serve", "--model", path, "--workdir", "/elsewhere"]) == 2  # "give the model once"
 
 
+@pytest.mark.entry
 def test_cli_sample_clamps_max_new_tokens_to_the_context(capsys, qwen_model):
     from experiments.launch import main
 
@@ -492,3 +494,14 @@ def test_export_hf_writes_the_chat_tokenizer_back(tmp_path, qwen_model):
     for attr in ("bos_id", "eos_ids", "pad_id", "add_bos", "special_tokens_map", "chat_templates",
                  "generation_defaults", "special_ids"):
         assert getattr(back, attr) == getattr(tok, attr), attr
+
+
+def test_fit_new_tokens():
+    from relf_jax.workflows import fit_new_tokens
+
+    assert fit_new_tokens(8, 100, 128) == (100, "")
+    n, note = fit_new_tokens(8, 128, 128)
+    assert n == 120 and note == "max_new_tokens 128 -> 120: the prompt takes 8 of the model's 128-token context"
+    assert fit_new_tokens(8, 128, 128, extra=5)[0] == 115  # a speculative round's overshoot
+    with pytest.raises(UserError, match="exceeds the model context"):
+        fit_new_tokens(128, 10, 128)
