@@ -232,7 +232,8 @@ PLAIN = ["flow.blind_spot=false"]
 CORE_VARIANTS = {"relf": [], "plain": PLAIN, "whiten": ["flow.embed_whiten=true"]}
 
 
-def bench_relf_core(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = ()) -> dict:
+def bench_relf_core(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),
+                    preset: str | None = None, num_samples: int | None = None) -> dict:
     """Issue 35's comparison at one budget (``train.steps``): the positional-unigram reference,
     the AR temperature sweep, the default ReLF (context-reading; 64-NFE stochastic, 16 / 8-NFE
     Euler), the paper's plain parametrisation (64-NFE stochastic) and the other
@@ -241,13 +242,13 @@ def bench_relf_core(out: str, quick: bool = False, workdir: str | None = None, o
     default ReLF-64's gen PPL over AR's at matched entropy (<= 1.5, and the paper's <= 1.0)."""
     from relf_jax import workflows
 
-    preset = "tiny" if quick else "cpu"
+    preset = preset or ("tiny" if quick else "cpu")
     root = os.path.abspath(workdir or os.path.join("runs", f"bench_relf_core_{preset}"))
     base = make_config(preset, list(overrides), workdir=os.path.join(root, "shared"))
     builder = workflows.prepare_data(base)
     tok = workflows.prepare_tokenizer(base, builder)
     judge = workflows.exact_judge(base)
-    n = 32 if quick else 256
+    n = num_samples or (32 if quick else 256)
     steps = base.train.steps
     t0 = time.perf_counter()
     rows = []

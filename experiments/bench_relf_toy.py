@@ -26,7 +26,8 @@ Variants, all on fixed Gaussian embeddings (non-degenerate, row norm `embed_norm
 Reported per variant and sampler (Euler, stochastic; `nfe` steps): the share of samples that are
 a data row (``valid_share``), the distinct rows among the samples over the most there can be,
 min(samples, words) (``distinct_share``; a sampler that always writes the same valid row reads
-valid 1.0 and distinct 1 / words; ``distinct_rows`` is the count), the
+valid 1.0 and distinct 1 / words; ``distinct_rows`` is the count, ``distinct_valid_rows`` that of
+the distinct data rows among them), the
 entropy of the sampled rows' empirical distribution (``sample_entropy``, nats; the data's is
 log(words)), and the CE of the posterior at the word positions at a few times t.
 Measured (`benchmarks/relf_toy_cpu.json`, README's ReLF section): at 600 steps the shipped
@@ -252,6 +253,7 @@ def bench_relf_toy(out: str, quick: bool = False, workdir: str | None = None, ov
             row = {"variant": variant, "sampler": sampler, "nfe": sz.nfe,
                    "valid_share": valid_share(samples, rows), "distinct_share": distinct_share(samples, sz.words),
                    "distinct_rows": distinct_rows(samples),
+                   "distinct_valid_rows": distinct_rows([r for r in samples if valid_share(r[None], rows) == 1.0]),
                    "sample_entropy": sample_entropy(samples), "data_entropy": float(np.log(sz.words)),
                    "word_ce": ce}
             result["rows"].append(row)

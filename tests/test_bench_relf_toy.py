@@ -51,6 +51,7 @@ def test_bench_relf_toy_runs_and_the_exact_posterior_samples_valid_rows(tmp_path
         assert 0 < r["distinct_share"] <= 1 and 0 <= r["sample_entropy"] <= np.log(32) + 1e-9
     # the exact posterior draws the six rows about uniformly: many distinct rows, near-data entropy
     assert rows["exact", "stochastic"]["distinct_share"] == 1.0 and rows["exact", "stochastic"]["distinct_rows"] == 6
+    assert rows["exact", "stochastic"]["distinct_valid_rows"] == 6
     assert rows["exact", "stochastic"]["sample_entropy"] > 0.8 * np.log(6)
     # the samplers with the exact posterior return data rows: the reference every model is read against
     assert rows["exact", "euler"]["valid_share"] >= 0.9 and rows["exact", "stochastic"]["valid_share"] >= 0.9
