@@ -459,6 +459,16 @@ def test_cli_serve_model_takes_an_hf_folder(monkeypatch, qwen_model):
             assert r.choices[0].finish_reason == ("stop" if out[-1] in eos else "length")
             assert r.usage.completion_tokens == len(out)
             replies.append((out, r.choices[0].message.content))
+        # a reply that reaches the second EOS id (generation_config.json's <|endoftext|>) stops there;
+        # special tokens are never shown
+        start = ref.convert_tokens_to_ids("<|im_start|>")
+        r = client.chat.completions.create(model="model", messages=SINGLE, temperature=0, max_tokens=5,
+                                           logit_bias={str(eos[1]): 100})
+        assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("", "stop")
+        r = client.chat.completions.create(model="model", messages=SINGLE, temperature=0, max_tokens=5,
+                                           logit_bias={str(start): 100})
+        assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("", "length")
+        assert r.usage.completion_tokens == 5
     assert any(out[-1] not in eos for out, _ in replies)  # replies that ran to max_tokens, not just EOS
     assert main(["serve", "--model", path, "--workdir", "/elsewhere"]) == 2  # "give the model once"
 
