@@ -316,6 +316,14 @@ def test_import_reads_template_eos_ids_and_defaults(tmp_path, form):
     assert encode_chat(tok, ChatTemplate.for_tokenizer(tok), MULTI) == _hf_ids(ref, MULTI)
 
 
+def test_eos_ids_from_every_file(folders):
+    llama, _ = _both(*folders["llama"])  # tokenizer <|eot_id|>; both configs list [<|end_of_text|>, <|eot_id|>]
+    assert llama.eos_ids == tuple(llama.piece_to_id(t) for t in ("<|eot_id|>", "<|end_of_text|>"))
+    blocks, _ = _both(*folders["blocks"])  # generation_config.json an int, config.json another int
+    assert blocks.eos_ids == tuple(blocks.piece_to_id(t) for t in ("<|im_end|>", "<|endoftext|>"))
+    assert llama.generation_defaults == {}  # temperature / top_p without do_sample: transformers ignores them
+
+
 def test_bos_only_where_the_tokenizer_adds_one(folders):
     for kind in ("qwen", "llama"):
         tok, ref = _both(*folders[kind])
