@@ -20,7 +20,8 @@ Weight layout (HF -> relf_jax; HF linear weights are [out, in]):
     model.norm.weight                            -> final_norm.scale
     lm_head.weight [V, D] (untied)               -> lm_head [D, V]
 
-Both use the same rotary convention (rotate-half, theta ** (-2i / Dh)), RMSNorm in float32 and
+Both use the same rotary convention (rotate-half, theta ** (-2i / Dh); rope scaling llama3,
+linear and dynamic as transformers computes them, `rope_config_from_hf`), RMSNorm in float32 and
 SwiGLU, so the logits agree to float32 rounding. relf_jax's own models scale input embeddings by
 sqrt(D) and tied logits by 1/sqrt(D) (`ModelConfig.embed_scaling`); on export this is folded into
 untied ``embed_tokens`` / ``lm_head`` weights, so the exported model computes the same function.
