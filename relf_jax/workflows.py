@@ -247,15 +247,16 @@ def train_relf(cfg: Config, *, mesh=None) -> TrainResult:
                  frozen={"embeddings": jax.numpy.asarray(table)}, extra_meta={"embeddings": EMBEDDINGS_FILE})
 
 
-def segment_residual(model_fn, segment_ids):
+def segment_residual(model_fn, segment_ids, table=None):
     """The samplers' ``residual_fn(z, t, sc[, known])`` of a network ``model_fn(z, sc, t, known,
-    segment_ids)`` on rows with `segment_ids` [B, L] (None: one segment); guidance's doubled
-    batch gets them twice."""
+    segment_ids, table)`` on rows with `segment_ids` [B, L] (None: one segment); guidance's doubled
+    batch gets them twice. `table`: the fixed embeddings (read by a model with
+    ``flow_evidence_input``)."""
     def residual(z, t, sc, known=None):
         seg = segment_ids
         if seg is not None and seg.shape[0] != z.shape[0]:
             seg = jnp.concatenate([seg] * (z.shape[0] // seg.shape[0]))
-        return model_fn(z, sc, t, known, seg)
+        return model_fn(z, sc, t, known, seg, table)
     return residual
 
 
@@ -269,7 +270,7 @@ def _relf_tokens(graphdef, params, key, table, prompt_tokens=None, prompt_mask=N
 
     from relf_jax.flow.samplers import sample as flow_sample
 
-    residual = segment_residual(lambda *a: nnx.merge(graphdef, params)(*a), segment_ids)
+    residual = segment_residual(lambda *a: nnx.merge(graphdef, params)(*a), segment_ids, table)
     known = None if prompt_mask is None else (prompt_mask, jnp.take(table, prompt_tokens, axis=0))
     out = flow_sample(key, residual, table, settings, batch=batch, length=length, known=known)[0]
     return out if prompt_mask is None else jnp.where(prompt_mask, prompt_tokens, out)

@@ -382,3 +382,30 @@ def test_engines_refuse_what_they_do_not_implement():
                 dict(logit_bias=((3, 200.0),)), dict(logprobs=21)):
         with pytest.raises(UserError):
             E.RequestParams(4, **bad)
+
+
+@pytest.mark.parametrize("proposer", ["draft", "corpus_ngram"])
+def test_speculative_engine_with_processors_at_t0_equals_ar(proposer):
+    """At temperature 0 the standard rule is greedy speculative decoding: with penalties, a logit
+    bias and min-p the speculative engine (processed verification, drafts counted per position)
+    commits the AR engine's tokens and reports the same log-probs."""
+    from relf_jax.speculative.ngram_draft import build_ngram_draft
+
+    lm, draft = tiny_lm("ar", 0, max_seq_len=64), tiny_lm("ar", 1, max_seq_len=64)
+    table = build_ngram_draft(PROMPTS, lm.model_cfg.vocab_size) if proposer == "corpus_ngram" else None
+    params = E.RequestParams(14, 0.0, repetition_penalty=1.8, frequency_penalty=0.6, presence_penalty=0.4,
+                             logit_bias=((45, 1.5), (6 + ord("e"), -2.0)), min_p=0.05, logprobs=3)
+    engines = [E.AREngine(lm, 2), E.SpeculativeEngine(lm, draft, 2, rule="standard", k=3, proposer=proposer,
+                                                      ngram_table=table)]
+    got = []
+    for eng in engines:
+        state = eng.init_state()
+        state, pre = eng.prefill_insert(PROMPTS[2], params, state, 1)
+        toks, lps = list(pre.tokens), list(pre.log_probs)
+        while len(toks) < 14:
+            state, out = eng.generate(state)
+            toks += out.tokens[1]
+            lps += out.log_probs[1]
+        got.append((toks[:14], [lp for lp, _ in lps[:14]]))
+    assert got[0][0] == got[1][0]
+    np.testing.assert_allclose(got[0][1], got[1][1], atol=1e-4)

@@ -399,3 +399,16 @@ def test_bench_lean_route_comparison_on_mock_servers(tmp_path):
     assert all(ms > 0 for k in names for ms in out[k]["server_ms"])
     assert all(out[f"{k}_over_lean_{m}"] > 0 for k in names[1:] for m in ("server_ms", "e2e"))
     assert set(out["median_server_overhead_share"]) == set(names)
+
+
+def test_streamed_multibyte_characters_stay_whole(server):
+    """The mock engine emits one UTF-8 byte per step: a delta never holds a partial character."""
+    text = "héllo wörld € 😀 ok"
+    deltas = []
+    with httpx.stream("POST", f"{server}/v1/chat/completions", timeout=30,
+                      json={"model": "mock", "stream": True, "messages": [{"role": "user", "content": text}]}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                deltas.append(json.loads(line[6:])["choices"][0]["delta"].get("content") or "")
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas) and sum(bool(d) for d in deltas) > 5
