@@ -73,6 +73,10 @@ class ModelConfig:
     # relf_jax.models.flow_lm). Training sets it from flow.blind_spot, which trains it as the
     # context classifier p(x_i | Z_{-i}); False is the paper's plain bidirectional network.
     flow_blind_spot: bool = True
+    # relf: each position's own evidence as an extra input (our extension): the log of its
+    # singular posterior, clip(log softmax(s(Z_j, t)), -10) / 10 [V], projected; a function of Z_j
+    # alone, so a blind-spot network stays blind. Needs the embeddings at call time (`table=`).
+    flow_evidence_input: bool = False
     block_size: int = 8  # bd: tokens per diffusion block; dws: the block size of the decoder predicted
     max_blocks: int = 16  # dws: output blocks on the workload surface's grid (B_max)
     # dws: "surface" (block head + step head -> S[b, s]) or a scalar baseline on the same encoder

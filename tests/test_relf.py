@@ -378,17 +378,23 @@ def test_flow_loss_on_packed_rows_is_spent_on_text_only():
     assert abs(float(run(tokens.at[0, 6].set(8))[0]) - float(loss)) > 1e-5  # a text token does
 
 
-def test_default_relf_reads_its_context_exactly_by_gradient():
+@pytest.mark.parametrize("evidence", [False, True])
+def test_default_relf_reads_its_context_exactly_by_gradient(evidence):
     """The default network's output at i has zero gradient w.r.t. Z_i and a non-zero one w.r.t.
-    its neighbours (segment-packed row: nothing from the other segment either)."""
+    its neighbours (segment-packed row: nothing from the other segment either); so has the
+    network that also reads each position's own evidence (a function of Z_j alone)."""
     cfg = make_config("tiny", ["model=relf"]).model
     assert cfg.flow_blind_spot
-    model = _generic(build_model(dataclasses.replace(cfg, vocab_size=61), nnx.Rngs(0)))
+    model = _generic(build_model(dataclasses.replace(cfg, vocab_size=61, flow_evidence_input=evidence), nnx.Rngs(0)))
     g, p = nnx.split(model)
     z = jax.random.normal(jax.random.key(3), (1, 7, cfg.flow_embed_dim))
     sc = jnp.zeros_like(z)
     seg = jnp.asarray([[1, 1, 1, 1, 2, 2, 2]], jnp.int32)
-    f = lambda z: nnx.merge(g, p)(z, sc, jnp.asarray([0.5]), None, seg)[0]  # noqa: E731
+    table = jnp.asarray(gaussian_embeddings(61, cfg.flow_embed_dim, seed=2, norm=3.0))
+    if evidence:
+        with pytest.raises(ValueError, match="evidence"):
+            nnx.merge(g, p)(z, sc, jnp.asarray([0.5]), None, seg)
+    f = lambda z: nnx.merge(g, p)(z, sc, jnp.asarray([0.5]), None, seg, table)[0]  # noqa: E731
     jac = jax.jit(jax.jacrev(lambda z: f(z).sum(-1)))(z)[:, 0]  # [L (out), L (in), d]
     size = jnp.abs(jac).sum(-1)  # [out, in]
     assert float(jnp.diagonal(size).max()) == 0.0  # never its own input

@@ -129,14 +129,15 @@ def make_flow_loss(settings: FlowLossSettings):
         zeros = jnp.zeros_like(z)
         use_sc = jax.random.bernoulli(k_sc, s.self_condition_prob, (b, 1, 1))
         # the self-conditioning guess is the sampler's X1_hat: singular logits included
-        first = jax.lax.stop_gradient(logits_of(model(z, zeros, t, known, segments), s.use_singular))
+        first = jax.lax.stop_gradient(logits_of(model(z, zeros, t, known, segments, table=embeddings),
+                                                s.use_singular))
         sc_guess = posterior_mean(jax.nn.softmax(first, axis=-1), embeddings)
         if known is not None:  # as in prompted sampling: the prompt's X1_hat is the prompt itself
             sc_guess = jnp.where(known[..., None], x1, sc_guess)
         sc_in = jnp.where(use_sc, sc_guess, zeros)
         aux = s.aux_weight > 0
-        f, f_aux = (model.logits_and_aux(z, sc_in, t, known, segments) if aux
-                    else (model(z, sc_in, t, known, segments), None))
+        f, f_aux = (model.logits_and_aux(z, sc_in, t, known, segments, table=embeddings) if aux
+                    else (model(z, sc_in, t, known, segments, table=embeddings), None))
         logits = logits_of(f)
         n = jnp.maximum(mask.sum(), 1.0)
 

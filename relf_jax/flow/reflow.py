@@ -32,15 +32,15 @@ from relf_jax.flow.singular import (interpolate, posterior_logits, posterior_mea
                                     velocity)
 
 
-def _residual_fn(graphdef, params, segment_ids=None):
-    return lambda z, t, sc: nnx.merge(graphdef, params)(z, sc, t, None, segment_ids)
+def _residual_fn(graphdef, params, segment_ids=None, table=None):
+    return lambda z, t, sc: nnx.merge(graphdef, params)(z, sc, t, None, segment_ids, table=table)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings", "nfe", "length", "batch"))
 def _rollout(graphdef, params, embeddings, key, segment_ids=None, *, settings: FlowLossSettings, nfe: int,
              length: int, batch: int):
     z0 = jax.random.normal(key, (batch, length, embeddings.shape[1]), jnp.float32)
-    fn = _residual_fn(graphdef, params, segment_ids)
+    fn = _residual_fn(graphdef, params, segment_ids, embeddings)
     z1, x1_hat = euler_integrate(z0, fn, embeddings, time_grid(nfe), c=settings.residual_bound,
                                  use_singular=settings.use_singular, t_eps=settings.t_eps)
     tokens = final_tokens(fn, z1, x1_hat, embeddings, c=settings.residual_bound,
@@ -78,7 +78,7 @@ def _straightness(graphdef, params, embeddings, z0, tokens, segment_ids=None, *,
                   num_times: int):
     """Compiled once per network structure, settings and shapes (a reflow round measures before
     and after training with the same program)."""
-    fn = _residual_fn(graphdef, params, segment_ids)
+    fn = _residual_fn(graphdef, params, segment_ids, embeddings)
 
     def v_fn(z, t):
         logits = posterior_logits(z, t, embeddings, fn(z, t, jnp.zeros_like(z)), c=settings.residual_bound,
@@ -130,7 +130,7 @@ def make_reflow_loss(settings: FlowLossSettings, data_weight: float = DATA_WEIGH
         z = interpolate(jnp.take(embeddings, tokens, axis=0), z0, t)
 
         def logits_of(sc):
-            return posterior_logits(z, t, embeddings, model(z, sc, t, None, seg), c=s.residual_bound,
+            return posterior_logits(z, t, embeddings, model(z, sc, t, None, seg, table=embeddings), c=s.residual_bound,
                                     use_singular=s.use_singular, t_eps=s.t_eps)
 
         zeros = jnp.zeros_like(z)

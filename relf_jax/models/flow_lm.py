@@ -43,10 +43,12 @@ from flax import nnx
 from relf_jax.config import ModelConfig
 from relf_jax.models.causal_lm import DTYPES
 from relf_jax.data.pipeline import segment_positions
+from relf_jax.flow.singular import singular_logits
 from relf_jax.models.layers import RMSNorm, SwiGLU, TransformerBlock, causal_mask, make_param
 from relf_jax.sharding import constrain
 
 TIME_FEATURES = 64
+EVIDENCE_CLIP = 10.0
 
 
 def time_features(t: jax.Array, dim: int = TIME_FEATURES) -> jax.Array:
@@ -72,6 +74,9 @@ class FlowLM(nnx.Module):
         init = jax.nn.initializers.normal(stddev=d_emb ** -0.5)
         self.in_z = make_param(rngs, init, (d_emb, d), (None, "embed"), pdtype)
         self.in_sc = make_param(rngs, init, (d_emb, d), (None, "embed"), pdtype)
+        self.in_ev = (make_param(rngs, jax.nn.initializers.normal(stddev=cfg.vocab_size ** -0.5),
+                                 (cfg.vocab_size, d), ("vocab", "embed"), pdtype)
+                      if cfg.flow_evidence_input else None)
         self.pos = make_param(rngs, jax.nn.initializers.normal(stddev=1.0), (cfg.max_seq_len, d), (None, "embed"),
                               pdtype)
         # zeros: a model that never sees a prompt in training computes exactly what it would without it
@@ -107,27 +112,29 @@ class FlowLM(nnx.Module):
                         if cfg.flow_aux_head else None)
 
     def __call__(self, z: jax.Array, sc: jax.Array, t: jax.Array, known: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+                 segment_ids: jax.Array | None = None, table: jax.Array | None = None) -> jax.Array:
         """Residual logits [B, L, V] (float32) for noisy embeddings z, self-conditioning sc, time t;
         known [B, L] bool flags clean prompt positions (only for a model built with
         ``flow_prompt_input``); segment_ids [B, L] int32 (packed rows, `relf_jax.data.pipeline`):
-        positions attend only within their segment and count from 0 in each (None: one segment)."""
-        return self._head(self._hidden(z, sc, t, known, segment_ids), self.out)
+        positions attend only within their segment and count from 0 in each (None: one segment);
+        table [V, d_emb]: the fixed embeddings, for a model built with ``flow_evidence_input``."""
+        return self._head(self._hidden(z, sc, t, known, segment_ids, table), self.out)
 
     def logits_and_aux(self, z: jax.Array, sc: jax.Array, t: jax.Array, known: jax.Array | None = None,
-                       segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                       segment_ids: jax.Array | None = None, table: jax.Array | None = None
+                       ) -> tuple[jax.Array, jax.Array]:
         """(residual logits, auxiliary head's logits), both [B, L, V] float32, from one pass
         (only for a model built with ``flow_aux_head``)."""
         if self.out_aux is None:
             raise ValueError("this ReLF model was not built with an auxiliary head (model.flow_aux_head)")
-        h = self._hidden(z, sc, t, known, segment_ids)
+        h = self._hidden(z, sc, t, known, segment_ids, table)
         return self._head(h, self.out), self._head(h, self.out_aux)
 
     @staticmethod
     def _head(h: jax.Array, w: nnx.Param) -> jax.Array:
         return constrain(h @ w[...].astype(jnp.float32), ("batch", "length", "vocab"))
 
-    def _hidden(self, z, sc, t, known, segment_ids=None):
+    def _hidden(self, z, sc, t, known, segment_ids=None, table=None):
         """Final normed hidden state [B, L, d_model] (float32)."""
         b, length, _ = z.shape
         dt = self.dtype
@@ -139,6 +146,12 @@ class FlowLM(nnx.Module):
         positions = segment_positions(segment_ids)
         x = (z.astype(dt) @ self.in_z[...].astype(dt)) + (sc.astype(dt) @ self.in_sc[...].astype(dt))
         x = x + jnp.take(self.pos[...], positions, axis=0).astype(dt)
+        if self.in_ev is not None:
+            if table is None:
+                raise ValueError("this ReLF model reads each position's evidence (model.flow_evidence_input): "
+                                 "pass the embeddings as table=")
+            ev = jnp.maximum(jax.nn.log_softmax(singular_logits(z, t, table), axis=-1), -EVIDENCE_CLIP) / EVIDENCE_CLIP
+            x = x + (ev.astype(dt) @ self.in_ev[...].astype(dt))
         if known is not None:
             if self.in_known is None:
                 raise ValueError("this ReLF model was not built with a prompt input (model.flow_prompt_input)")
