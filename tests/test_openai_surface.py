@@ -217,4 +217,17 @@ def test_max_tokens_omitted_runs_to_the_context_and_unimplemented_fields_are_ref
         client.completions.create(model="qwen", prompt="hello", max_tokens=2, echo=True)
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(model="qwen", prompt="hello", max_tokens=2, best_of=3)
-    assert client.chat.completions.create(model="qwen", messages=msgs, max_tokens=2).choices[0].message.content
+    after = client.chat.completions.create(model="qwen", messages=msgs, max_tokens=2)  # the server keeps serving
+    assert after.choices[0].finish_reason in ("stop", "length") and after.usage.completion_tokens >= 1
+
+
+def test_developer_and_tool_roles_and_content_parts_reach_the_template(served):
+    client, _ = served
+    msgs = [{"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]
+    r = client.chat.completions.create(model="qwen", messages=msgs, max_tokens=3, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.prompt_tokens > 2
+    with pytest.raises(openai.BadRequestError):  # the marker template has no tool role: refused, not dropped
+        client.chat.completions.create(model="qwen", max_tokens=2, messages=[
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+            {"role": "tool", "content": "42", "tool_call_id": "x"}])

@@ -365,8 +365,9 @@ def round_scored(target_graphdef, target_params, draft_graphdef, draft_params, s
     if settings.trace_top_k:
         trace = record_round(trace, state.rounds, start=lengths, active=active, draft_tokens=draft_tokens,
                              accept=res.accept, num_accepted=n, next_token=res.next_token, count=count,
-                             target_logits=target_logits, temperature=_temperature(sp, settings),
-                             top_k=settings.top_k, top_p=sp.top_p)
+                             target_logits=target_logits,  # processed: already log-probs, transformed
+                             temperature=1.0 if sp.processed else _temperature(sp, settings),
+                             top_k=0 if sp.processed else settings.top_k, top_p=None if sp.processed else sp.top_p)
     act = active.astype(jnp.int32)
     accepted_at = state.accepted_at + jnp.sum((n[:, None] > jnp.arange(k)[None, :]) & active[:, None], axis=0)
     return SpecState(tokens=tokens, lengths=lengths + count, done=done, num_generated=num_generated,
