@@ -172,3 +172,14 @@ def test_reflow_is_compared_with_its_no_pairs_control_and_a_reflow_only_run_has_
     assert c["euler16"]["reflow2_over_nopairs2"] == pytest.approx(1.2)
     assert t["blind_spot_reflow2_euler8_gen_ppl_reduction"]["reduction"] == pytest.approx(0.3)
     assert "reflow2_vs_nopairs_control" not in t  # the plain model has no rows here
+
+
+def test_core_part_runs_alone():
+    import pytest
+
+    from experiments.bench_relf import CORE_VARIANTS, bench_relf
+    from relf_jax.errors import UserError
+
+    with pytest.raises(UserError, match="core alone"):
+        bench_relf("unused.json", parts=["core", "models"])
+    assert CORE_VARIANTS["relf"] == [] and CORE_VARIANTS["plain"] == ["flow.blind_spot=false"]
