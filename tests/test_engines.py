@@ -384,9 +384,10 @@ def test_engines_refuse_what_they_do_not_implement():
             E.RequestParams(4, **bad)
 
 
-@pytest.mark.parametrize("proposer", ["draft", "corpus_ngram"])
-def test_speculative_engine_with_processors_at_t0_equals_ar(proposer):
-    """At temperature 0 the standard rule is greedy speculative decoding: with penalties, a logit
+@pytest.mark.parametrize("rule, proposer", [("standard", "draft"), ("standard", "corpus_ngram"), ("nsd", "draft"),
+                                            ("greedy", "prompt_lookup")])
+def test_speculative_engine_with_processors_at_t0_equals_ar(rule, proposer):
+    """At temperature 0 every rule is greedy speculative decoding: with penalties, a logit
     bias and min-p the speculative engine (processed verification, drafts counted per position)
     commits the AR engine's tokens and reports the same log-probs."""
     from relf_jax.speculative.ngram_draft import build_ngram_draft
@@ -395,7 +396,7 @@ def test_speculative_engine_with_processors_at_t0_equals_ar(proposer):
     table = build_ngram_draft(PROMPTS, lm.model_cfg.vocab_size) if proposer == "corpus_ngram" else None
     params = E.RequestParams(14, 0.0, repetition_penalty=1.8, frequency_penalty=0.6, presence_penalty=0.4,
                              logit_bias=((45, 1.5), (6 + ord("e"), -2.0)), min_p=0.05, logprobs=3)
-    engines = [E.AREngine(lm, 2), E.SpeculativeEngine(lm, draft, 2, rule="standard", k=3, proposer=proposer,
+    engines = [E.AREngine(lm, 2), E.SpeculativeEngine(lm, draft, 2, rule=rule, k=3, proposer=proposer,
                                                       ngram_table=table)]
     got = []
     for eng in engines:

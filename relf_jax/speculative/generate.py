@@ -145,12 +145,11 @@ def _penalties(sp: SpecParams, state: SpecState) -> processors.Penalties | None:
     return pen.replace(counts=state.counts, seen=state.seen) if pen.tracks else pen
 
 
-def _drafted_counts(draft_tokens: jax.Array, vocab: int, lead: int) -> jax.Array:
-    """[B, lead + K, V] int32: at index lead + j, the counts of draft_tokens[:, :j] (zeros before)."""
+def _drafted_counts(draft_tokens: jax.Array, vocab: int) -> jax.Array:
+    """[B, K+1, V] int32: at verified position i (the target's logits after feeding the last
+    committed token and drafts[:i]), the counts of draft_tokens[:, :i]."""
     hot = jax.nn.one_hot(draft_tokens, vocab, dtype=jnp.int32)
-    before = jnp.cumsum(hot, axis=1) - hot
-    b, k, v = hot.shape
-    return jnp.concatenate([jnp.zeros((b, lead, v), jnp.int32), before], axis=1)
+    return jnp.concatenate([jnp.zeros_like(hot[:, :1]), jnp.cumsum(hot, axis=1)], axis=1)
 
 
 def sparse_verify(settings: SpecSettings) -> bool:
@@ -326,7 +325,7 @@ def round_scored(target_graphdef, target_params, draft_graphdef, draft_params, s
     if sp.processed:
         # the target's processed distribution at position j counts drafts[:j] as committed
         pen = _penalties(sp, state)
-        drafted = (_drafted_counts(draft_tokens, target_logits.shape[-1], 1)
+        drafted = (_drafted_counts(draft_tokens, target_logits.shape[-1])
                    if pen is not None and pen.tracks else None)
         scored = processors.adjust(target_logits, pen, drafted)
         target_logits = processors.log_probs(scored, *_knobs(sp, settings))
