@@ -21,7 +21,8 @@ Two ways to call it:
   time. With `segment_ids` (packed rows: several documents per row, id 0 = padding) nothing
   attends across documents, positions restart at 0 in each document and blocks are counted
   from each document's start, so every document sees exactly the layout it has at decoding
-  time (`block_aligned` documents fill whole blocks).
+  time (training rows fill each document up to whole blocks: `relf_jax.data.pipeline`'s
+  ``align``).
 """
 
 from __future__ import annotations
