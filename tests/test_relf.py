@@ -302,8 +302,8 @@ def test_sample_relf_compiles_once_across_calls(tmp_path, capsys):
                  "train.steps=3", "train.progress=false", "data.seq_len=16", "flow.aux_weight=1"]) == 2
     assert "without an auxiliary head" in capsys.readouterr().err
     assert main(["train", "--preset", "tiny", "--workdir", wd, "model=relf", "data.source=chatterbot",
-                 "train.steps=3", "train.progress=false", "data.seq_len=16", "flow.blind_spot=true"]) == 2
-    assert "resume it with flow.blind_spot=false" in capsys.readouterr().err
+                 "train.steps=3", "train.progress=false", "data.seq_len=16", "flow.blind_spot=false"]) == 2
+    assert "resume it with flow.blind_spot=true" in capsys.readouterr().err  # the default reads its context
     lm = workflows.load_model(wd, "relf")
     before = workflows._relf_tokens._cache_size()
     for seed in range(3):
@@ -451,3 +451,30 @@ def test_segment_length_prior_draws_and_travels_with_safetensors(tmp_path):
     np.testing.assert_array_equal(workflows.flow_lengths(back), counts)
     no_prior = dataclasses.replace(lm, model_dir=str(tmp_path))
     assert workflows.flow_lengths(no_prior) is None  # a model trained on whole rows
+
+
+def test_relf_engine_writes_one_segment_of_a_drawn_length_for_a_segment_trained_model():
+    from relf_jax.serving import engines as E
+    from tests._serving import tiny_lm
+
+    tok = E.ByteTokenizer()
+    prompt = [2] + tok.encode("<user> hi <assistant>")
+    lm = tiny_lm("relf")
+    length = lm.cfg.data.seq_len
+    counts = np.zeros(length + 1, np.int64)
+    counts[[len(prompt) + 3, len(prompt) + 5]] = 1  # a prior with two lengths, both past the prompt
+    lm = dataclasses.replace(lm, extras={**lm.extras, "flow.lengths": counts})
+    eng = E.ReLFEngine(lm, 2, nfe=3)
+    seen = set()
+    for seed in range(6):
+        state = eng.insert(eng.prefill(prompt, E.RequestParams(64, seed=seed)), eng.init_state(), 1)
+        seg_len = int(np.asarray(state.segment_len)[1])
+        seen.add(seg_len)
+        state, out = eng.generate(state)
+        assert out.done[1] and len(out.tokens[1]) <= seg_len - len(prompt)  # nothing past the segment
+        again = eng.insert(eng.prefill(prompt, E.RequestParams(64, seed=seed)), eng.init_state(), 0)
+        assert int(np.asarray(again.segment_len)[0]) == seg_len  # drawn from the request's seed
+    assert seen == {len(prompt) + 3, len(prompt) + 5}
+    whole = E.ReLFEngine(tiny_lm("relf"), 1, nfe=3)  # no prior: the whole row, as before
+    assert int(np.asarray(whole.insert(whole.prefill(prompt, E.RequestParams(64, seed=0)), whole.init_state(),
+                                       0).segment_len)[0]) == length
