@@ -378,8 +378,8 @@ def test_engines_refuse_what_they_do_not_implement():
     lm = tiny_lm("ar", 0, max_seq_len=64)
     with pytest.raises(UserError, match="outside the vocabulary"):
         E.AREngine(lm, 1).check_params(E.RequestParams(4, logit_bias=((10_000, 1.0),)))
-    for bad in (dict(min_p=1.5), dict(repetition_penalty=0.0), dict(frequency_penalty=3.0), dict(top_k=-1),
-                dict(logit_bias=((3, 200.0),)), dict(logprobs=21)):
+    for bad in ({"min_p": 1.5}, {"repetition_penalty": 0.0}, {"frequency_penalty": 3.0}, {"top_k": -1},
+                {"logit_bias": ((3, 200.0),)}, {"logprobs": 21}):
         with pytest.raises(UserError):
             E.RequestParams(4, **bad)
 

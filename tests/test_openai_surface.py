@@ -10,9 +10,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
-from tests._serving import live_server  # noqa: E402
+from tests._serving import live_server
 
-WORDS = "hello there how are you today i am fine thanks the weather is nice , . ? !".split()
+WORDS = "hello there how are you today i am fine thanks the weather is nice , . ? !".split()  # noqa: SIM905
 SPECIALS = ["<pad>", "</s>", "<s>", "<unk>"]
 V = 61
 
@@ -85,7 +85,8 @@ def _ids(tokenizer, names):
 def test_completion_logprobs_equal_transformers_processed_log_softmax(served, hf_folder):
     client, _ = served
     _, model, tokenizer = hf_folder
-    kw = dict(temperature=0.8, top_k=12, repetition=1.3, frequency=0.5, presence=0.25, bias={7: 2.0, 8: -1.5})
+    kw = {"temperature": 0.8, "top_k": 12, "repetition": 1.3, "frequency": 0.5, "presence": 0.25,
+          "bias": {7: 2.0, 8: -1.5}}
     r = client.completions.create(model="qwen", prompt="hello there how are you", max_tokens=6, seed=4, logprobs=5,
                                   temperature=kw["temperature"],
                                   frequency_penalty=kw["frequency"], presence_penalty=kw["presence"],

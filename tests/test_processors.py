@@ -79,8 +79,8 @@ def test_repetition_penalty_matches_transformers(repetition):
 
 
 @pytest.mark.parametrize("settings", [
-    dict(top_k=7), dict(top_p=0.8), dict(min_p=0.1), dict(temperature=0.7, top_k=10, top_p=0.9, min_p=0.05),
-    dict(temperature=1.5, min_p=0.2, top_p=0.95)])
+    {"top_k": 7}, {"top_p": 0.8}, {"min_p": 0.1}, {"temperature": 0.7, "top_k": 10, "top_p": 0.9, "min_p": 0.05},
+    {"temperature": 1.5, "min_p": 0.2, "top_p": 0.95}])
 def test_warpers_match_transformers(settings):
     logits = _logits(2)
     ids = np.zeros((3, 1), np.int64)
@@ -92,7 +92,7 @@ def test_bias_and_penalty_chain_matches_transformers():
     logits = _logits(3)
     ids = np.random.default_rng(4).integers(0, V, (3, 9))
     bias = {3: 5.0, 7: -100.0, 11: 2.5}
-    kw = dict(bias=bias, repetition=1.2, temperature=0.8, top_k=20, top_p=0.9, min_p=0.02)
+    kw = {"bias": bias, "repetition": 1.2, "temperature": 0.8, "top_k": 20, "top_p": 0.9, "min_p": 0.02}
     _same(_ours(logits, ids, **kw), _hf_chain(logits, ids, **kw))
 
 
@@ -106,7 +106,7 @@ def test_frequency_and_presence_follow_openai_formula():
     pen = pen.commit(jnp.asarray(reply))
     ours = np.asarray(processors.adjust(jnp.asarray(logits), pen))
     want = logits.astype(np.float64).copy()
-    for b in range(2):  # OpenAI: mu[j] - c[j] * alpha_frequency - float(c[j] > 0) * alpha_presence, generated tokens only
+    for b in range(2):  # OpenAI: mu[j] - c[j] * alpha_frequency - float(c[j] > 0) * alpha_presence (reply tokens)
         c = np.bincount(reply[b], minlength=V)
         want[b] = want[b] - c * freq[b] - (c > 0) * pres[b]
     np.testing.assert_allclose(ours, want, atol=1e-5)

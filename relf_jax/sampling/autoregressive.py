@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import flax.struct
 import jax
@@ -57,7 +57,7 @@ class SamplingParams:
     @classmethod
     def make(cls, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
              repetition_penalty: float = 1.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-             logit_bias: dict[int, float] | None = None, vocab_size: int | None = None) -> "SamplingParams":
+             logit_bias: dict[int, float] | None = None, vocab_size: int | None = None) -> SamplingParams:
         """Settings for every row; the ones at their off value are left out. `logit_bias` needs
         `vocab_size` (its dense row is built here)."""
         validate_sampling(temperature, top_k, top_p)

@@ -22,7 +22,8 @@ work while a step runs.
 
 The model engines reuse the samplers' own prefill and step functions, vmapped over slots: each
 slot holds the sampler's state for a batch of one, so per-request settings (temperature,
-top-p, seed) are traced per slot, a slot's tokens do not depend on what the other slots hold,
+top-p, top-k, min-p, the penalties and their token counts, the logit bias, seed) are traced per
+slot, a slot's tokens do not depend on what the other slots hold,
 and the same seed gives the same reply whatever the batch. A prefill's buffers span the model's
 whole context, so prefixes of any prompt bucket fit any slot; the prompt is padded to a
 power-of-two bucket. The AR and speculative engines cut their slots' KV caches to the span
@@ -48,7 +49,6 @@ from flax import nnx
 
 from relf_jax.data.tokenizer import turn_stop_ids
 from relf_jax.errors import UserError
-
 
 LOGPROBS_TOP = 20  # the most probable tokens an engine reports per emitted token (OpenAI's top_logprobs maximum)
 LOGIT_BIAS_MAX = 1024  # entries of one request's logit_bias
@@ -674,7 +674,7 @@ class AREngine(_SpanSized, Engine):
     def _request(self, p: RequestParams):
         """The request's settings as the jitted prefills take them (host arrays; the rest static)."""
         ids, vals = _sparse_bias(p)
-        return dict(seed=np.uint32(p.seed), knobs=_request_knobs(p, self.top_k), bias_ids=ids, bias_vals=vals)
+        return {"seed": np.uint32(p.seed), "knobs": _request_knobs(p, self.top_k), "bias_ids": ids, "bias_vals": vals}
 
     def init_state(self):
         return _free_slots(self, _Held(_stack_slots(self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data,
@@ -868,7 +868,7 @@ class SpeculativeEngine(_SpanSized, Engine):
     def _request(self, p: RequestParams):
         """The request's settings as the jitted prefills take them (host arrays; the rest static)."""
         ids, vals = _sparse_bias(p)
-        return dict(seed=np.uint32(p.seed), knobs=_request_knobs(p, 0), bias_ids=ids, bias_vals=vals)
+        return {"seed": np.uint32(p.seed), "knobs": _request_knobs(p, 0), "bias_ids": ids, "bias_vals": vals}
 
     def _spec_params(self, knobs, bias_ids, bias_vals):
         """(Traced) `SpecParams` of one request, every field present (see `_request_sampling`)."""

@@ -41,8 +41,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
+from relf_jax.data.tokenizer import encode_prompt
 from relf_jax.errors import UserError
 from relf_jax.serving.batching import (
     Batcher,
@@ -51,7 +52,6 @@ from relf_jax.serving.batching import (
     QueueFull,
     ServerClosed,
 )
-from relf_jax.data.tokenizer import encode_prompt
 from relf_jax.serving.chat import ChatTemplate, encode_chat
 from relf_jax.serving.engines import LOGPROBS_TOP, Engine, RequestParams
 
@@ -79,7 +79,7 @@ def _dumps(obj) -> str:
 
 
 def _finite(x: float) -> float:
-    return x if x > LOGPROB_FLOOR else LOGPROB_FLOOR
+    return max(LOGPROB_FLOOR, x)
 
 
 class _LogProbs:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
 
 import flax.struct
 import jax
@@ -62,7 +61,7 @@ class SpecSettings:
     pad_id: int = 0
     ngram: int = 3  # prompt lookup: longest n-gram to match
     top_k: int = 0  # static: the verification kernel has no top-k, so it selects the code path
-    use_kernel: Optional[bool] = None
+    use_kernel: bool | None = None
     trace_top_k: int = 0  # > 0: record every round (`relf_jax.speculative.trace`) with the target's top-T
     track_tokens: bool = False  # keep per-row token counts (`SpecState.counts`) for the penalties
 
@@ -101,7 +100,7 @@ class SpecParams:
             pen is not None and (pen.bias is not None or pen.tracks))
 
     @classmethod
-    def make(cls, temperature=1.0, top_p=1.0, nsd_top_p=0.9) -> "SpecParams":
+    def make(cls, temperature=1.0, top_p=1.0, nsd_top_p=0.9) -> SpecParams:
         validate_sampling(temperature, 0, top_p)
         if not 0 < nsd_top_p <= 1:
             raise UserError(f"nsd_top_p must be in (0, 1], got {nsd_top_p}")
@@ -264,7 +263,7 @@ def _propose_ngram_candidates(table: ngram_draft.NgramDraft, state: SpecState, s
         cand, lp = ngram_draft.next_candidates(table, ctx, valid)
         if sp.processed:  # the processors on the M candidates (gathered bias and counts); q as log-probs
             if pen is not None:
-                def at(x):  # [V] or [B, V] -> [B, M]
+                def at(x, cand=cand):  # [V] or [B, V] -> [B, M]
                     return jnp.take_along_axis(jnp.broadcast_to(x, (cand.shape[0], x.shape[-1])), cand, axis=-1)
 
                 sub = pen.replace(bias=None if pen.bias is None else at(pen.bias))
