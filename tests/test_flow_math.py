@@ -513,7 +513,7 @@ def test_whitened_hellinger_svd_and_the_near_duplicate_share():
     white = emb.hellinger_svd_embeddings(counts, 8, norm=1.0, whiten=True).astype(np.float64)
     np.testing.assert_allclose(np.linalg.norm(white, axis=1), 1.0, rtol=1e-6)
     # U_d sqrt(V) before the rescale: the same directions as U_d S_d, each component rescaled
-    u, s, _ = np.linalg.svd(emb.hellinger_rows(counts), full_matrices=False)
+    u, _, _ = np.linalg.svd(emb.hellinger_rows(counts), full_matrices=False)
     want = u[:, :8] * np.sqrt(24)
     want /= np.linalg.norm(want, axis=1, keepdims=True)
     np.testing.assert_allclose(np.abs(white), np.abs(want), atol=1e-5)

@@ -394,7 +394,7 @@ def test_default_relf_reads_its_context_exactly_by_gradient(evidence):
     if evidence:
         with pytest.raises(ValueError, match="evidence"):
             nnx.merge(g, p)(z, sc, jnp.asarray([0.5]), None, seg)
-    f = lambda z: nnx.merge(g, p)(z, sc, jnp.asarray([0.5]), None, seg, table)[0]  # noqa: E731
+    f = lambda z: nnx.merge(g, p)(z, sc, jnp.asarray([0.5]), None, seg, table)[0]
     jac = jax.jit(jax.jacrev(lambda z: f(z).sum(-1)))(z)[:, 0]  # [L (out), L (in), d]
     size = jnp.abs(jac).sum(-1)  # [out, in]
     assert float(jnp.diagonal(size).max()) == 0.0  # never its own input

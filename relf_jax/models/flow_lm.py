@@ -11,7 +11,9 @@ z and sc are projected to the model width and added, together with a learned abs
 position embedding (rows are whole documents that start at position 0, and at small t the
 noisy input carries no position information that rotary attention could use); t enters every
 block through adaLN conditioning (a sinusoidal embedding followed by an MLP). Attention is
-bidirectional (in the blind-spot variant below, two causal streams, one per direction).
+bidirectional (in the blind-spot network below, the default, two causal streams, one per
+direction). With ``segment_ids`` [B, L] (packed rows, `relf_jax.data.pipeline`, ``data.rows=
+"segments"``) attention stays within a segment and positions restart at 0 in each.
 
 With ``cfg.flow_prompt_input`` the network also takes ``known`` [B, L] bool: a learned vector is
 added at the positions that hold a clean prompt (z there is the token's embedding itself), so it
@@ -21,7 +23,7 @@ With ``cfg.flow_aux_head`` a second output head (zero-initialised) reads the sam
 state; `logits_and_aux` returns both. The flow loss trains it as a plain, singular-free token
 classifier (`flow.aux_weight`); samplers use `__call__` and never see it.
 
-With ``cfg.flow_blind_spot`` (our extension, `flow.blind_spot`) the residual at position i
+With ``cfg.flow_blind_spot`` (the default since issue 35; `flow.blind_spot`) the residual at position i
 never depends on position i's own inputs (z_i, sc_i): ``num_layers / 2`` causal blocks run left
 to right and as many right to left over the same projected inputs; position i reads the left
 stream at i - 1 (inputs 0..i-1) and the right stream at i + 1 (inputs i+1..L-1), concatenated,
@@ -30,6 +32,10 @@ p(x_i | Z_{-i}) (`flow.losses`, ``context_loss``), its output added to the singu
 log p(Z_i | x_i) gives the exact posterior, since Z_i and Z_{-i} are independent given x_i.
 Self-conditioning still leaks a little of z_i through the neighbours' sc (each neighbour's
 X1_hat was computed from all of Z).
+
+With ``cfg.flow_evidence_input`` (our extension, off) each position's own evidence, the clipped
+log of its singular posterior (needs ``table=``, the fixed embeddings), is a further input: a
+function of z_j alone, so the blind spot stays exact. Measured on the toy: no gain (docs/relf.md).
 """
 
 from __future__ import annotations
@@ -41,10 +47,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from relf_jax.config import ModelConfig
-from relf_jax.models.causal_lm import DTYPES
 from relf_jax.data.pipeline import segment_positions
 from relf_jax.flow.singular import singular_logits
-from relf_jax.models.layers import RMSNorm, SwiGLU, TransformerBlock, causal_mask, make_param
+from relf_jax.models.causal_lm import DTYPES
+from relf_jax.models.layers import (
+    RMSNorm,
+    SwiGLU,
+    TransformerBlock,
+    causal_mask,
+    make_param,
+)
 from relf_jax.sharding import constrain
 
 TIME_FEATURES = 64
