@@ -14,11 +14,11 @@ conversations (unconditional, up to ``seq_len`` tokens) from both:
   and a guidance-scale sweep (1, 1.3, 1.7, 2.5) on the full-budget model;
 - our extensions (`EXTENSIONS`, full budget, 64-NFE stochastic and 16-NFE Euler): the
   auxiliary singular-free head (``flow.aux_weight=1``, variant ``aux_head``), a time per
-  position in half the training rows (``flow.per_position_t=0.5``), both, and the blind-spot
-  network (``flow.blind_spot=true``). The blind-spot model (`REFLOW_EXTENSIONS`) also gets the
+  position in half the training rows (``flow.per_position_t=0.5``), both, and the paper's plain
+  network (``flow.blind_spot=false``, variant ``plain``; the ``relf`` rows are the default,
+  context-reading network since issue 35). The plain model (`REFLOW_EXTENSIONS`) also gets the
   8 / 32-NFE Euler rows and two reflow rounds with the same rows after each, and the reflow
-  targets are restated for it (``blind_spot_...``): the plain model's samples are about as good
-  at 8 NFE as at 64, so reflow has nothing to straighten there;
+  targets are restated for it (``plain_...``);
 - a no-pairs control for each reflow study (`NO_PAIRS`, variant ``<model>_nopairs``): two rounds
   with the same schedule, steps and batches but the data loss only, so that what reflow gains
   over training as long is told apart (``*reflow2_vs_nopairs_control``);
@@ -65,9 +65,10 @@ ABLATIONS = {"no_singular": ["flow.use_singular=false"], "gaussian_embeddings": 
 # our extensions to the paper's training, trained at the full budget, against the plain ReLF rows
 EXTENSIONS = {"aux_head": ["flow.aux_weight=1"], "per_position_t": ["flow.per_position_t=0.5"],
               "aux_head_per_position_t": ["flow.aux_weight=1", "flow.per_position_t=0.5"],
-              "blind_spot": ["flow.blind_spot=true"]}
-# extensions that also get two reflow rounds (and the 8 / 16 / 32-NFE Euler rows before and after)
-REFLOW_EXTENSIONS = ("blind_spot",)
+              "plain": ["flow.blind_spot=false"]}
+# extensions that also get two reflow rounds (and the 8 / 16 / 32-NFE Euler rows before and after);
+# since issue 35 the "relf" rows are the context-reading default and "plain" is the paper's network
+REFLOW_EXTENSIONS = ("plain",)
 
 
 PARTS = ("models", "reflow", "latency", "core")

@@ -121,23 +121,23 @@ def test_reflow_targets_for_an_extension_use_its_own_rows_and_the_nearest_entrop
     rows = [_ar(2.0, 20.0, 10), _ar(4.0, 80.0, 10), _ar(2.0, 40.0, 5), _ar(4.0, 160.0, 5),
             _relf(10, 64, 0, 46.0), _relf(5, 64, 0, 100.0), _relf(10, 8, 0, 200.0), _relf(10, 8, 2, 120.0),
             _relf(10, 16, 2, 48.3),
-            # the blind-spot model: two 64-NFE rows before reflow, the 16-NFE row after reflow is
+            # the plain model (an extension row): two 64-NFE rows before reflow, the 16-NFE row after reflow is
             # compared with the one nearest its entropy (3.3: the marginal row at 3.2, not 2.0)
-            _relf(10, 64, 0, 300.0, variant="blind_spot", entropy=2.0, method="relf stochastic linear"),
-            _relf(10, 64, 0, 400.0, variant="blind_spot", entropy=3.2, method="relf stochastic marginal"),
-            _relf(10, 8, 0, 500.0, variant="blind_spot", entropy=3.0),
-            _relf(10, 64, 1, 380.0, variant="blind_spot", entropy=3.1, method="relf stochastic marginal"),
-            _relf(10, 8, 1, 418.0, variant="blind_spot", entropy=3.0),
-            _relf(10, 64, 2, 350.0, variant="blind_spot", entropy=3.1, method="relf stochastic marginal"),
-            _relf(10, 8, 2, 350.0, variant="blind_spot", entropy=3.1),
-            _relf(10, 16, 2, 360.0, variant="blind_spot", entropy=3.3)]
+            _relf(10, 64, 0, 300.0, variant="plain", entropy=2.0, method="relf stochastic linear"),
+            _relf(10, 64, 0, 400.0, variant="plain", entropy=3.2, method="relf stochastic marginal"),
+            _relf(10, 8, 0, 500.0, variant="plain", entropy=3.0),
+            _relf(10, 64, 1, 380.0, variant="plain", entropy=3.1, method="relf stochastic marginal"),
+            _relf(10, 8, 1, 418.0, variant="plain", entropy=3.0),
+            _relf(10, 64, 2, 350.0, variant="plain", entropy=3.1, method="relf stochastic marginal"),
+            _relf(10, 8, 2, 350.0, variant="plain", entropy=3.1),
+            _relf(10, 16, 2, 360.0, variant="plain", entropy=3.3)]
     t = targets(rows, (10, 5))
-    assert t["reflow2_euler8_gen_ppl_reduction"]["reduction"] == pytest.approx(0.4)  # the plain model's
-    assert t["blind_spot_reflow2_euler8_gen_ppl_reduction"]["reduction"] == pytest.approx(0.3)
-    assert t["blind_spot_reflow2_euler8_gen_ppl_reduction"]["entropy_delta"] == pytest.approx(0.1)
-    e16 = t["blind_spot_reflow2_euler16_over_pre_stochastic64_gen_ppl"]
+    assert t["reflow2_euler8_gen_ppl_reduction"]["reduction"] == pytest.approx(0.4)  # the default model's
+    assert t["plain_reflow2_euler8_gen_ppl_reduction"]["reduction"] == pytest.approx(0.3)
+    assert t["plain_reflow2_euler8_gen_ppl_reduction"]["entropy_delta"] == pytest.approx(0.1)
+    e16 = t["plain_reflow2_euler16_over_pre_stochastic64_gen_ppl"]
     assert e16["ratio"] == pytest.approx(0.9) and e16["entropy_delta"] == pytest.approx(0.1)
-    gaps = t["blind_spot_euler8_over_stochastic64_gen_ppl_by_reflow_round"]
+    gaps = t["plain_euler8_over_stochastic64_gen_ppl_by_reflow_round"]
     assert gaps["0"]["ratio"] == pytest.approx(500.0 / 400.0)  # the marginal row (3.2) is nearer 3.0
     assert gaps["1"]["ratio"] == pytest.approx(1.1) and gaps["2"]["ratio"] == pytest.approx(1.0)
     # the matched-entropy target takes the 64-NFE row nearest the AR sweep (both inside it here)
@@ -156,22 +156,22 @@ def test_matched_entropy_target_takes_the_64_nfe_row_inside_the_ar_sweep():
 
 
 def test_reflow_is_compared_with_its_no_pairs_control_and_a_reflow_only_run_has_no_ar_targets():
-    rows = [_relf(10, 64, 0, 400.0, variant="blind_spot", method="relf stochastic marginal"),
-            _relf(10, 8, 0, 500.0, variant="blind_spot"), _relf(10, 16, 0, 450.0, variant="blind_spot"),
-            _relf(10, 8, 2, 350.0, variant="blind_spot", entropy=3.2),
-            _relf(10, 16, 2, 360.0, variant="blind_spot"),
+    rows = [_relf(10, 64, 0, 400.0, variant="plain", method="relf stochastic marginal"),
+            _relf(10, 8, 0, 500.0, variant="plain"), _relf(10, 16, 0, 450.0, variant="plain"),
+            _relf(10, 8, 2, 350.0, variant="plain", entropy=3.2),
+            _relf(10, 16, 2, 360.0, variant="plain"),
             # data-only rounds of the same length: the 8-NFE row gains more without the pairs
-            _relf(10, 8, 2, 400.0, variant="blind_spot_nopairs", entropy=3.0),
-            _relf(10, 16, 2, 300.0, variant="blind_spot_nopairs")]
+            _relf(10, 8, 2, 400.0, variant="plain_nopairs", entropy=3.0),
+            _relf(10, 16, 2, 300.0, variant="plain_nopairs")]
     t = targets(rows, (10,))  # no AR rows (--parts reflow): no matched-entropy target, no error
     assert not any(k.startswith("steps10_relf64_vs_ar") for k in t)
-    c = t["blind_spot_reflow2_vs_nopairs_control"]
+    c = t["plain_reflow2_vs_nopairs_control"]
     assert c["euler8"]["nopairs2_reduction"] == pytest.approx(0.2)
     assert c["euler8"]["reflow2_over_nopairs2"] == pytest.approx(350.0 / 400.0)
     assert c["euler8"]["entropy_delta_reflow2_minus_nopairs2"] == pytest.approx(0.2)
     assert c["euler16"]["reflow2_over_nopairs2"] == pytest.approx(1.2)
-    assert t["blind_spot_reflow2_euler8_gen_ppl_reduction"]["reduction"] == pytest.approx(0.3)
-    assert "reflow2_vs_nopairs_control" not in t  # the plain model has no rows here
+    assert t["plain_reflow2_euler8_gen_ppl_reduction"]["reduction"] == pytest.approx(0.3)
+    assert "reflow2_vs_nopairs_control" not in t  # the default model has no rows here
 
 
 def test_core_part_runs_alone():
