@@ -28,7 +28,8 @@ position's own evidence, the paper's loss alone leaves the trunk at the position
 (`relf-jax bench relf-toy`); a singular-free classifier makes it learn what each noisy token is,
 which the residual can then read from the neighbours. Sampling never uses the auxiliary head.
 
-Context loss (``context_loss``, our extension, with a blind-spot model: ``flow.blind_spot``): the
+Context loss (``context_loss``, with a blind-spot model: ``flow.blind_spot``, the default since
+issue 35; `FlowLossSettings` itself defaults to the paper's loss): the
 cross-entropy is taken under softmax(c tanh(f / c)) alone, so the network learns the classifier
 p(x_i | Z_{-i}); sampling adds the singular logits as usual, and their sum is the exact log
 posterior when the classifier is exact (Z_i depends on x_i and its own noise only). Why: trained
