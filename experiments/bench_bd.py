@@ -31,6 +31,7 @@ cached in the workdir. A plot of gen PPL vs entropy per budget is written next t
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import time
@@ -38,7 +39,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from experiments.bench_relf import AR_TEMPERATURES, QUICK_AR_TEMPERATURES, ar_ppl_at_entropy
+from experiments.bench_relf import (
+    AR_TEMPERATURES,
+    QUICK_AR_TEMPERATURES,
+    ar_ppl_at_entropy,
+)
 from relf_jax.config import make_config
 
 BUDGETS = (600, 1200)
@@ -143,7 +148,7 @@ def bench_bd(out: str, quick: bool = False, workdir: str | None = None, override
                 ar_lm = workflows.load_model(wd, "ar")
             sc = dataclasses.replace(cfg.sample, temperature=t, top_k=0, top_p=1.0,
                                      max_new_tokens=cfg.data.seq_len - 1, num_samples=n)
-            measure(key, lambda sc=sc: workflows.sample(ar_lm, n=n, sample_cfg=sc))
+            measure(key, lambda sc=sc, ar_lm=ar_lm: workflows.sample(ar_lm, n=n, sample_cfg=sc))
     for steps, variant, extra in plans:
         wd = os.path.join(root, f"steps{steps}" if variant == "bd" else f"steps{steps}_{variant}")
         bcfg = make_config(preset, [*overrides, f"train.steps={steps}", "model=bd", *extra], workdir=wd)
@@ -162,7 +167,7 @@ def bench_bd(out: str, quick: bool = False, workdir: str | None = None, override
                     + ("" if x == thr else f" thr={x:g}"))
             measure({"method": name, "variant": variant, "train_steps": steps, "temperature": t, "confidence": rule,
                      "threshold": sc.threshold, "block_size": lm.model_cfg.block_size},
-                    lambda sc=sc: workflows.sample_bd(lm, n=n, sample_cfg=sc))
+                    lambda sc=sc, lm=lm: workflows.sample_bd(lm, n=n, sample_cfg=sc))
 
     base = make_config(preset, list(overrides))
     report = {"preset": preset, "complete": True, "num_samples": n, "budgets_steps": list(budgets),
@@ -212,7 +217,7 @@ def targets(rows: Sequence[dict], budgets: Sequence[int]) -> dict:
             curve.append((steps, t1["gen_ppl"], t1["entropy"]))
     if curve:
         out["bd_t1_gen_ppl_by_budget"] = {str(s): {"gen_ppl": p, "entropy": e} for s, p, e in curve}
-        out["bd_t1_gen_ppl_falls_with_budget"] = all(b[1] < a[1] for a, b in zip(curve, curve[1:]))
+        out["bd_t1_gen_ppl_falls_with_budget"] = all(b[1] < a[1] for a, b in itertools.pairwise(curve))
     return out
 
 

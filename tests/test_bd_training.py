@@ -125,7 +125,7 @@ def test_block_aligned_segment_rows(tmp_path):
     from relf_jax.data.tokenizer import train_tokenizer
 
     rng = np.random.default_rng(0)
-    words = "alpha beta gamma delta echo fox golf hotel".split()
+    words = ["alpha", "beta", "gamma", "delta", "echo", "fox", "golf", "hotel"]
     path = tmp_path / "docs.txt"
     path.write_text("\n".join(" ".join(rng.choice(words, size=rng.integers(1, 12))) for _ in range(40)) + "\n")
     builder = sources.prepare("text_files", str(tmp_path / "tfds"), path=str(path))

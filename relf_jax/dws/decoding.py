@@ -37,7 +37,6 @@ from relf_jax.models.block_diffusion import decode_mask
 from relf_jax.models.causal_lm import init_cache
 from relf_jax.sampling import processors
 
-
 CONFIDENCE_RULES = ("max", "sampled")
 
 
