@@ -539,11 +539,13 @@ def _subset(held: _Held, num_slots: int) -> np.ndarray | None:
     return np.asarray(occupied + pad, np.int32)
 
 
-def _step_subset(step_all, *args, idx, **kw):
-    """``step_all(*params, slots)`` on the slots `idx` only (gathered, stepped, written back)."""
+def _step_subset(step_all, *args, idx, features, **kw):
+    """``step_all(*params, slots)`` on the slots `idx` only (gathered, stepped, written back;
+    the arrays no held slot uses stay where they are, `_park`)."""
     *params, slots = args
-    sub, out = step_all(*params, jax.tree.map(lambda x: x[idx], slots), **kw)
-    return jax.tree.map(lambda x, y: x.at[idx].set(y), slots, sub), out
+    slots, restore = _park(slots, features)
+    sub, out = step_all(*params, jax.tree.map(lambda x: x[idx], slots), features=features, **kw)
+    return restore(jax.tree.map(lambda x, y: x.at[idx].set(y), slots, sub)), out
 
 
 def _expand(rows: list, idx: np.ndarray | None, num_slots: int) -> list:
@@ -589,6 +591,35 @@ def _check_steps_per_call(n: int) -> int:
     if not isinstance(n, int) or n < 1:
         raise UserError(f"steps_per_call must be an integer >= 1, got {n!r}")
     return n
+
+
+def _park(slots: _Slot, features: frozenset):
+    """(slots without the per-slot vocabulary-sized arrays no held slot uses -- the penalties'
+    token counts, the logit bias --, a function that puts them back unchanged). Carried through
+    a step's ``while_loop`` (or gathered for `_step_subset`) they would cost copies per call."""
+    state, pen = slots.state, slots.sampling.penalties
+    drop_counts = "penalties" not in features and state.counts is not None
+    drop_bias = "bias" not in features and pen is not None and pen.bias is not None
+    if drop_counts:
+        slots = slots.replace(state=state.replace(counts=None, seen=None))
+    if drop_bias:
+        slots = slots.replace(sampling=slots.sampling.replace(penalties=pen.replace(bias=None)))
+
+    def restore(new: _Slot) -> _Slot:
+        if drop_counts:
+            new = new.replace(state=new.state.replace(counts=state.counts, seen=state.seen))
+        if drop_bias:
+            new = new.replace(sampling=new.sampling.replace(penalties=new.sampling.penalties.replace(bias=pen.bias)))
+        return new
+
+    return slots, restore
+
+
+def _run_parked(step, slots: _Slot, n: int, width: int, features: frozenset):
+    """`_run_steps` with the arrays no held slot uses left out of the loop (`_park`)."""
+    slots, restore = _park(slots, features)
+    slots, rows = _run_steps(step, slots, n, width)
+    return restore(slots), rows
 
 
 def _run_steps(step, slots: _Slot, n: int, width: int):
@@ -749,7 +780,7 @@ class AREngine(_SpanSized, Engine):
             return dataclasses.replace(slots, state=new), row
 
         # [slots, steps, (token, emitted, done[, log-prob, top ids, top log-probs])]
-        return _run_steps(step, slots, self.steps_per_call, 3 + (1 + 2 * n_lp if n_lp else 0))
+        return _run_parked(step, slots, self.steps_per_call, 3 + (1 + 2 * n_lp if n_lp else 0), features)
 
     def dispatch(self, state):
         t0 = time.perf_counter()
@@ -979,7 +1010,8 @@ class SpeculativeEngine(_SpanSized, Engine):
             return dataclasses.replace(slots, state=new), jnp.concatenate(parts, axis=1)
 
         # [slots, rounds, (k + 1 tokens, count, done, accepted[, (k + 1) * (1 + 2 * top)])]
-        return _run_steps(round_, slots, self.steps_per_call, self.k + 4 + (self.k + 1) * (1 + 2 * n_lp if n_lp else 0))
+        return _run_parked(round_, slots, self.steps_per_call,
+                           self.k + 4 + (self.k + 1) * (1 + 2 * n_lp if n_lp else 0), features)
 
     def dispatch(self, state):
         t0 = time.perf_counter()
