@@ -410,3 +410,19 @@ def test_speculative_engine_with_processors_at_t0_equals_ar(rule, proposer):
         got.append((toks[:14], [lp for lp, _ in lps[:14]]))
     assert got[0][0] == got[1][0]
     np.testing.assert_allclose(got[0][1], got[1][1], atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["ar", "speculative"])
+def test_a_prompt_past_half_the_context_gets_its_whole_reply(kind):
+    """A prompt padded to a bucket near the context's end still decodes up to the context (the
+    prefill's cache sizing must not read as a one-token budget)."""
+    lm = tiny_lm("ar", max_seq_len=64)
+    if kind == "ar":
+        eng = E.AREngine(lm, 1)
+    else:
+        eng = E.SpeculativeEngine(lm, None, 1, rule="standard", k=3, proposer="prompt_lookup")
+    prompt = [2] + TOK.encode("<user> " + "abcdefgh" * 4 + " <assistant>")[:40]  # bucket 64 -> capped
+    bias = tuple((t, -100.0) for t in eng.stop_ids)  # no stop token: the reply runs to max_tokens
+    params = E.RequestParams(12, 1.0, seed=1, logit_bias=bias)
+    out = _run(eng, [(0, prompt, params, 0)], steps=12)
+    assert len(out[0]) >= 12

@@ -336,6 +336,17 @@ def _first_prefix(engine: Engine, params: RequestParams, t0: float, first, done,
                   log_probs=None if lp is None else [_lp_entry(np.asarray(lp, np.float32).reshape(-1))])
 
 
+def _done_at_stop_only(st, lengths, eos_id: int):
+    """The sampler state of an engine prefill with `done` set by the first token alone (EOS).
+
+    An engine's prefill settings size the cache to the whole context (``max_new_tokens`` =
+    context - prompt bucket), so the sampler's own "one new token left" stop would end a prompt
+    padded close to the context after its first token. The engines stop on length themselves:
+    the step at the context's end, the batcher at the request's ``max_tokens``."""
+    first = jnp.take_along_axis(st.tokens, lengths[:, None], axis=1)[:, 0]
+    return dataclasses.replace(st, done=first == eos_id)
+
+
 def _lp_entry(row: np.ndarray) -> tuple[float, list[tuple[int, float]]]:
     """(the token's log-prob, [(id, log-prob)] of the most probable) from a float32 row of
     `processors.top_log_probs`."""
@@ -722,6 +733,7 @@ class AREngine(_SpanSized, Engine):
         st, lp = self._ar.prefill_scored(self.lm.graphdef, self._weights.tree(params), prompts, lengths,
                                          jax.random.key(seed), _static_sampling(sampling, features, self.top_k),
                                          settings, log_probs=LOGPROBS_TOP if "logprobs" in features else 0)
+        st = _done_at_stop_only(st, lengths, self.tokenizer.eos_id)
         return _Slot(state=st, sampling=sampling), st.tokens[0, lengths[0]], st.done[0], lp
 
     def prefill(self, prompt, params):
@@ -946,6 +958,7 @@ class SpeculativeEngine(_SpanSized, Engine):
         st, lp = self._spec.prefill_scored(self.lm.graphdef, target_params, dg, draft_params, prompts, lengths,
                                            jax.random.key(seed), self._static_params(sp, features), settings,
                                            log_probs=LOGPROBS_TOP if "logprobs" in features else 0)
+        st = _done_at_stop_only(st, lengths, self.tokenizer.eos_id)
         return _Slot(state=st, sampling=sp), st.tokens[0, lengths[0]], st.done[0], lp
 
     def prefill(self, prompt, params):
