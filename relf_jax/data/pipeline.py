@@ -106,56 +106,6 @@ class _Tokenize(grain.transforms.Map):
         return np.asarray([tok.bos_id, *tok.encode(text), tok.eos_id], dtype=np.int32)
 
 
-class _PackedRowsIterator(grain.DatasetIterator):
-    """Cuts the concatenation of the parent's 1-D token arrays into rows of ``row_len``.
-
-    State: the parent's state just before the document that the next row starts in,
-    and how many of that document's tokens are already emitted.
-    """
-
-    def __init__(self, parent: grain.DatasetIterator, row_len: int):
-        super().__init__(parent)
-        self._row_len = row_len
-        self._doc: np.ndarray | None = None
-        self._doc_state = parent.get_state()
-        self._offset = 0
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        n = self._row_len
-        tokens = np.zeros(n, np.int32)
-        segment_ids = np.zeros(n, np.int32)
-        positions = np.zeros(n, np.int32)
-        filled = segment = 0
-        while filled < n:
-            if self._doc is None or self._offset >= len(self._doc):
-                state = self._parent.get_state()
-                try:
-                    doc = next(self._parent)
-                except StopIteration:
-                    break
-                self._doc, self._doc_state, self._offset = doc, state, 0
-                continue
-            take = min(n - filled, len(self._doc) - self._offset)
-            segment += 1
-            end = filled + take
-            tokens[filled:end] = self._doc[self._offset : self._offset + take]
-            segment_ids[filled:end] = segment
-            positions[filled:end] = np.arange(take, dtype=np.int32)
-            filled, self._offset = end, self._offset + take
-        if filled == 0:
-            raise StopIteration
-        return {"tokens": tokens, "segment_ids": segment_ids, "positions": positions}
-
-    def get_state(self) -> dict[str, Any]:
-        return {"parent": self._doc_state, "offset": self._offset}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self._parent.set_state(state["parent"])
-        self._doc_state = state["parent"]
-        self._offset = int(state["offset"])
-        self._doc = next(self._parent) if self._offset > 0 else None
-
-
 class PackedRows(grain.IterDataset):
     """Concatenate-then-split packing of 1-D int32 token arrays into rows of ``row_len``.
 
@@ -169,8 +119,8 @@ class PackedRows(grain.IterDataset):
             raise ValueError(f"row_len must be positive, got {row_len}.")
         self._row_len = row_len
 
-    def __iter__(self) -> _PackedRowsIterator:
-        return _PackedRowsIterator(self._parent.__iter__(), self._row_len)
+    def __iter__(self) -> _RowsIterator:
+        return _RowsIterator(self._parent.__iter__(), self._row_len, self._row_len, 0, whole=False)
 
     def __str__(self) -> str:
         return f"PackedRows(row_len={self._row_len})"
@@ -189,16 +139,22 @@ class _DocumentRow(grain.transforms.Map):
         return {"tokens": tokens, "segment_ids": np.ones(n, np.int32), "positions": np.arange(n, dtype=np.int32)}
 
 
-class _SegmentRowsIterator(grain.DatasetIterator):
-    """Packs whole documents into rows of ``text_len`` tokens (+ pad up to ``row_len``).
+class _RowsIterator(grain.DatasetIterator):
+    """Packs the parent's 1-D token arrays into rows of ``text_len`` tokens (+ pad up to
+    ``row_len``), each document piece its own segment with positions from 0.
 
-    State, as in `_PackedRowsIterator`: the parent's state just before the document the next
-    row starts in, and how many of that document's tokens are already emitted.
+    whole=True (`SegmentRows`): a document that does not fit in the row's rest starts the next
+    row (one longer than a row is cut into full-row pieces). whole=False (`PackedRows`): the
+    concatenation is cut wherever a row ends.
+
+    State: the parent's state just before the document the next row starts in, and how many
+    of that document's tokens are already emitted.
     """
 
-    def __init__(self, parent: grain.DatasetIterator, text_len: int, row_len: int, pad_id: int):
+    def __init__(self, parent: grain.DatasetIterator, text_len: int, row_len: int, pad_id: int,
+                 whole: bool = True):
         super().__init__(parent)
-        self._text_len, self._row_len, self._pad_id = text_len, row_len, pad_id
+        self._text_len, self._row_len, self._pad_id, self._whole = text_len, row_len, pad_id, whole
         self._doc: np.ndarray | None = None
         self._doc_state = parent.get_state()
         self._offset = 0
@@ -219,7 +175,7 @@ class _SegmentRowsIterator(grain.DatasetIterator):
                 self._doc, self._doc_state, self._offset = doc, state, 0
                 continue
             rest = len(self._doc) - self._offset
-            if rest > cap - filled and filled > 0:
+            if self._whole and rest > cap - filled and filled > 0:
                 break  # does not fit whole: it starts the next row
             take = min(rest, cap - filled)  # all of it, or (alone in a row) a full row's piece
             segment += 1
@@ -255,8 +211,8 @@ class SegmentRows(grain.IterDataset):
             raise ValueError(f"text_len must be positive, got {text_len}.")
         self._text_len, self._pad_id = text_len, pad_id
 
-    def __iter__(self) -> _SegmentRowsIterator:
-        return _SegmentRowsIterator(self._parent.__iter__(), self._text_len, self._text_len + 1, self._pad_id)
+    def __iter__(self) -> _RowsIterator:
+        return _RowsIterator(self._parent.__iter__(), self._text_len, self._text_len + 1, self._pad_id)
 
     def __str__(self) -> str:
         return f"SegmentRows(text_len={self._text_len})"
