@@ -94,6 +94,8 @@ def test_serve_an_imported_folder_with_corpus_ngram_needs_a_corpus(tmp_path):
     path, _ = _save(tmp_path, "llama", transformers.LlamaForCausalLM, cfg)
     with pytest.raises(UserError, match="imported"):
         load_engine(path, "standard", proposer="corpus_ngram")
+    with pytest.raises(UserError, match="needs a draft model"):  # the default proposer, no <folder>/draft
+        load_engine(path, "standard")
     with pytest.raises(UserError, match="proposer corpus_ngram"):
         load_engine(path, "standard", proposer="prompt_lookup", ngram_corpus=["online"])
     text = tmp_path / "c.txt"

@@ -341,6 +341,10 @@ def load_engine(workdir: str, generator: str = "ar", *, slots: int = 8, k: int =
             table = workflows.corpus_ngram_table(lm, files=files)
     if proposer == "draft":
         path = draft or os.path.join(workdir, "draft")
+        if draft is None and not os.path.exists(path):
+            raise UserError(f"generator {generator!r} with proposer 'draft' needs a draft model: none at {path}; "
+                            "name one with draft= (relf-jax serve --draft PATH) or use proposer 'prompt_lookup' "
+                            "or 'corpus_ngram'")
         dm = workflows.load_model(path, "ar")
         if not same_tokenization(dm.tokenizer, lm.tokenizer):
             raise UserError(f"the draft in {path} uses another tokenizer than the target")
