@@ -10,26 +10,18 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
-from tests._serving import live_server
+from tests._serving import live_server  # noqa: E402
+from tests.test_hf_interop import SPECIALS  # noqa: E402
 
-WORDS = "hello there how are you today i am fine thanks the weather is nice , . ? !".split()  # noqa: SIM905
-SPECIALS = ["<pad>", "</s>", "<s>", "<unk>"]
 V = 61
 
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
     """A random tiny Qwen2 checkpoint with a word-level tokenizer, saved as an HF folder."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tests.test_hf_interop import _word_tokenizer
 
-    vocab = {w: i for i, w in enumerate(SPECIALS + WORDS)}
-    for i in range(len(vocab), V):
-        vocab[f"w{i}"] = i
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="</s>", bos_token="<s>",
-                                        unk_token="<unk>")
+    tokenizer = _word_tokenizer(V)
     cfg = transformers.Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
                                    max_position_embeddings=64, bos_token_id=2, eos_token_id=1, pad_token_id=0)
