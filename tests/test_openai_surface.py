@@ -10,8 +10,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
-from tests._serving import live_server  # noqa: E402
-from tests.test_hf_interop import SPECIALS  # noqa: E402
+from tests._serving import live_server
+from tests.test_hf_interop import SPECIALS
 
 V = 61
 
