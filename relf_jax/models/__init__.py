@@ -20,13 +20,3 @@ def build_model(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
         raise ValueError(f"unknown model family {cfg.family!r}; valid: {', '.join(FAMILIES)}")
     return FAMILIES[cfg.family](cfg, rngs=rngs)
 
-
-def from_hf(path: str, *, mesh=None, param_dtype: str = "float32"):
-    """Load a local HuggingFace Llama / Qwen2 directory as a relf_jax AR model (a `LoadedModel`).
-
-    A convenience entry point; the conversion lives in `relf_jax.export.hf.from_hf` (imported
-    lazily: the export floor sits above the networks).
-    """
-    from relf_jax.export.hf import from_hf as _from_hf
-
-    return _from_hf(path, mesh=mesh, param_dtype=param_dtype)
