@@ -220,7 +220,7 @@ class FlowConfig:
     gamma: float = 1.0
     # stochastic sampler's noise: "linear" (methods.md's Z' = aZ + (1-a) eps) or "marginal"
     # (the path's exact noise level at t' = a t); see relf_jax.flow.samplers. "marginal" measured
-    # better (benchmarks/relf_cpu.json: same gen PPL at +0.8 nats of entropy, at both budgets)
+    # better (docs/relf.md: same gen PPL at +0.8 nats of entropy, at both budgets)
     renoise: Literal["linear", "marginal"] = "marginal"
 
 

@@ -63,7 +63,7 @@ def use_kernel_for(use_kernel: bool | None, top_k: int) -> bool:
         return False
     # The kernel has no top-k filter; that setting always takes the reference path. On GPU the
     # kernel agrees bitwise with the reference but was measured 4-40x slower (H200, V=32k:
-    # benchmarks/verify_h200.json), so GPUs use the reference until a faster kernel lands.
+    # benchmarks/h200/verify.json), so GPUs use the reference until a faster kernel lands.
     return jax.default_backend() == "tpu" and not top_k
 
 
