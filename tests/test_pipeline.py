@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from relf_jax.data import pipeline, sources
-from relf_jax.data.builders.text_files.text_files import text_files_config
+from relf_jax.data.builders.text_files import text_files_config
 from relf_jax.data.sources import DataError
 from relf_jax.data.tokenizer import train_tokenizer
 

@@ -20,47 +20,14 @@ Sources:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
-from relf_jax.errors import UserError
+from relf_jax.data.builders.common import VALIDATION_EVERY, DataError, holdout_split
+
+__all__ = ["SOURCES", "VALIDATION_EVERY", "DataError", "holdout_split", "iter_texts", "prepare"]
 
 SOURCES = ("synthetic_chat", "chatterbot", "text_files", "tfds:<name>")
-# Every VALIDATION_EVERY-th document is held out for validation.
-VALIDATION_EVERY = 20
-
-T = TypeVar("T")
-
-
-class DataError(UserError):
-    """A data source that is missing, empty or malformed; the message is one line."""
-
-
-def holdout_split(docs: Sequence[T], every: int = VALIDATION_EVERY) -> tuple[list[T], list[T]]:
-    """Deterministic (train, validation): validation is every ``every``-th document.
-
-    At least one document is held out: with fewer than ``every`` documents the last one
-    is. A single document goes to both splits, since neither may be empty.
-    """
-    docs = list(docs)
-    if len(docs) <= 1:
-        return docs, list(docs)
-    held = [i for i in range(len(docs)) if i % every == every - 1] or [len(docs) - 1]
-    held_set = set(held)
-    train = [d for i, d in enumerate(docs) if i not in held_set]
-    return train, [docs[i] for i in held]
-
-
-class TextSplits:
-    """Mixin for the text builders: `holdout_split` documents into train/validation examples."""
-
-    def _text_splits(self, docs: Sequence[str]) -> dict:
-        train, validation = holdout_split(docs)
-        return {"train": self._generate_examples(train), "validation": self._generate_examples(validation)}
-
-    def _generate_examples(self, docs: Sequence[str]):
-        for i, doc in enumerate(docs):
-            yield i, {"text": doc}
 
 
 def _first_line(e: BaseException) -> str:
@@ -99,16 +66,16 @@ def _prepare_tfds_catalog(name: str, data_dir: str, options: dict[str, Any]):
 def prepare(source: str, data_dir: str, **options):
     """Prepares ``source`` under ``data_dir`` (once) and returns its TFDS builder."""
     if source == "synthetic_chat":
-        from relf_jax.data.builders.synthetic_chat.synthetic_chat import build
+        from relf_jax.data.builders.synthetic_chat import build
 
         return build(data_dir, **options)
     if source == "chatterbot":
-        from relf_jax.data.builders.chatterbot.chatterbot import Chatterbot
+        from relf_jax.data.builders.chatterbot import Chatterbot
 
         _no_options(source, options)
         builder = Chatterbot(data_dir=data_dir)
     elif source == "text_files":
-        from relf_jax.data.builders.text_files.text_files import TextFiles, text_files_config
+        from relf_jax.data.builders.text_files import TextFiles, text_files_config
 
         path = options.pop("path", None)
         if path is None:

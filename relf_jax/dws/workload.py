@@ -47,18 +47,9 @@ def workload_prompts(tok, *, n_synthetic: int, n_chatterbot: int, seed: int, max
     grammar = grammar or SyntheticChat()
     texts = [(info["prompt"], "synthetic_chat") for info in grammar.sample_with_info(n_synthetic, seed)]
     if n_chatterbot:
-        from relf_jax.data.builders.chatterbot.chatterbot import read_conversations
+        from relf_jax.data.builders.chatterbot import first_user_turns
 
-        convs = read_conversations()
-        order = np.random.default_rng(seed).permutation(len(convs))
-        bot = []
-        for i in order:
-            words = convs[i].split()
-            if "<assistant>" in words:
-                bot.append(" ".join(words[: words.index("<assistant>") + 1]))
-            if len(bot) >= n_chatterbot:
-                break
-        texts += [(t, "chatterbot") for t in bot]
+        texts += [(t, "chatterbot") for t in first_user_turns(n_chatterbot, seed)]
     out = []
     for text, source in texts:
         ids = [tok.bos_id] + tok.encode(text)

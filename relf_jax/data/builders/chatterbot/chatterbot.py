@@ -21,7 +21,7 @@ import re
 
 import tensorflow_datasets as tfds
 
-from relf_jax.data.sources import DataError, TextSplits
+from relf_jax.data.builders.common import DataError, TextSplits
 
 _PUNCT = re.compile(r"([^\w\s'])")
 _STRAIGHT_QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"'})
@@ -68,6 +68,22 @@ def read_conversations() -> list[str]:
         raise DataError(f"chatterbot: no conversations found under {root}")
     return docs
 
+
+def first_user_turns(n: int, seed: int) -> list[str]:
+    """Up to ``n`` prompts ``<user> ... <assistant>``: the first user turn of conversations
+    taken in a ``seed``-shuffled order (conversations with no assistant reply are skipped)."""
+    import numpy as np
+
+    convs = read_conversations()
+    order = np.random.default_rng(seed).permutation(len(convs))
+    prompts = []
+    for i in order:
+        words = convs[i].split()
+        if "<assistant>" in words:
+            prompts.append(" ".join(words[: words.index("<assistant>") + 1]))
+        if len(prompts) >= n:
+            break
+    return prompts
 
 class Chatterbot(TextSplits, tfds.core.GeneratorBasedBuilder):
     """English chatterbot-corpus dialogs; the config name carries the corpus version."""

@@ -12,7 +12,7 @@ Documents:
   rendered as ``<user> ... <assistant> ...``.
 Whitespace runs become single spaces (the tokenizer's normalisation) and empty documents
 are dropped. Validation is every 20th document (at least one; see
-``relf_jax.data.sources.holdout_split``).
+``relf_jax.data.builders.common.holdout_split``).
 
 The config name is ``<name>_<hash>``: the name of the file or of the files' common folder,
 and a hash of every file's path and content, so an edited file gets a fresh cache folder
@@ -30,7 +30,7 @@ import re
 
 import tensorflow_datasets as tfds
 
-from relf_jax.data.sources import DataError, TextSplits
+from relf_jax.data.builders.common import DataError, TextSplits
 
 SUFFIXES = (".txt", ".jsonl")
 ROLES = ("user", "assistant")
