@@ -1,5 +1,6 @@
 """Tests for the SyntheticChat grammar (exact likelihood judge) and its TFDS builder."""
 
+import hashlib
 import heapq
 import itertools
 import time
@@ -354,6 +355,18 @@ def test_determinism_and_topic_restriction(grammar):
         grammar.sample(3, seed=0, topics=[8])
     g2 = SyntheticChat(GrammarConfig(seed=1))
     assert g2.vocab == grammar.vocab and g2.sample(50, seed=7) != a
+
+
+def test_corpus_is_pinned(grammar):
+    # The corpus every checkpoint and benchmark was trained on: a refactor must keep it byte-identical
+    # (a deliberate change of the language updates these digests and says so).
+    def digest(texts):
+        return hashlib.sha256("\n".join(texts).encode()).hexdigest()
+
+    assert digest(grammar.sample(200, seed=0)) == (
+        "29697caf100324b38f216d5b4cc6f580608ef82183d6299140e6457e01b606b8")
+    assert digest(SyntheticChat(GrammarConfig(seed=1)).sample(50, seed=3, topics=[2, 5])) == (
+        "b7b545f4ac11d7675d5a0f99c492caad2026dc2973012557be0f776285966ca9")
 
 
 def test_sampling_speed(grammar):
