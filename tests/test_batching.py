@@ -7,7 +7,8 @@ import time
 import pytest
 
 from relf_jax.serving.batching import Batcher, GenerationRequest, ServerClosed
-from relf_jax.serving.engines import ByteTokenizer, MockEngine, RequestParams
+from relf_jax.serving.engine_api import RequestParams
+from relf_jax.serving.engines import ByteTokenizer, MockEngine
 from relf_jax.serving.scheduler import SJF, QueueFull
 
 TOK = ByteTokenizer()
@@ -219,7 +220,8 @@ def test_collect_counts_host_work_as_model_time_only_while_the_step_ran():
     import jax.numpy as jnp
     import numpy as np
 
-    from relf_jax.serving.engines import Pending, _collect_rows
+    from relf_jax.serving.engine_api import Pending
+    from relf_jax.serving.engines.slots import collect_rows
 
     class Running:  # a step that had not finished at the collect call
         def is_ready(self):
@@ -229,8 +231,8 @@ def test_collect_counts_host_work_as_model_time_only_while_the_step_ran():
             return np.zeros((1, 1, 3), np.int32)
 
     now = time.perf_counter()
-    rows, model_s, early = _collect_rows(Pending(Running(), None, now - 5.0, now - 4.99), 1)
+    rows, model_s, early = collect_rows(Pending(Running(), None, now - 5.0, now - 4.99), 1)
     assert rows == [[[0, 0, 0]]] and not early and model_s >= 5.0
     done = jnp.zeros((1, 1, 3), jnp.int32).block_until_ready()
-    rows, model_s, early = _collect_rows(Pending(done, None, now - 5.0, now - 4.99), 1)
+    rows, model_s, early = collect_rows(Pending(done, None, now - 5.0, now - 4.99), 1)
     assert early and 0.01 <= model_s < 1.0

@@ -9,6 +9,8 @@ import pytest
 
 from relf_jax.errors import UserError
 from relf_jax.serving import engines as E
+from relf_jax.serving.engine_api import RequestParams
+from relf_jax.serving.engines.slots import Held, subset_slots
 from tests._serving import tiny_lm
 
 TOK = E.ByteTokenizer()
@@ -54,7 +56,7 @@ def test_mock_engine_echoes_the_last_user_turn():
     eng = E.MockEngine(2)
     prompt = [2] + TOK.encode("<user> one <assistant> x <user> two three <assistant>")
     assert TOK.decode(eng.reply_for(prompt)) == "two three"
-    out = _run(eng, [(1, prompt, E.RequestParams(50), 0)], steps=12)
+    out = _run(eng, [(1, prompt, RequestParams(50), 0)], steps=12)
     assert out[1] == eng.reply_for(prompt)  # 9 bytes + EOS, one per step (first from prefill)
 
 
@@ -66,9 +68,9 @@ def test_ar_engine_matches_the_sampler_per_request(steps_per_call):
     eng = E.AREngine(lm, 3, steps_per_call=steps_per_call)
     n = 8
     # the top-p request joins after two steps (the step switches to its nucleus-filtering build)
-    jobs = [(0, PROMPTS[0], E.RequestParams(n, 1.0, seed=11), 0),
-            (2, PROMPTS[1], E.RequestParams(n, 1.0, top_p=0.9, seed=5), 2),
-            (1, PROMPTS[2], E.RequestParams(n, 1.0, seed=7), 3)]  # joins between steps
+    jobs = [(0, PROMPTS[0], RequestParams(n, 1.0, seed=11), 0),
+            (2, PROMPTS[1], RequestParams(n, 1.0, top_p=0.9, seed=5), 2),
+            (1, PROMPTS[2], RequestParams(n, 1.0, seed=7), 3)]  # joins between steps
     out = _run(eng, jobs, steps=n + 4)
     assert all(len(toks) >= n for toks in out.values())
     for slot, prompt, p, at in jobs:
@@ -93,8 +95,8 @@ def test_speculative_engine_matches_the_sampler_per_request(rule, proposer, step
     k, rounds = 3, 4
     eng = E.SpeculativeEngine(lm, draft, 2, rule=rule, k=k, proposer=proposer, steps_per_call=steps_per_call,
                               ngram_table=table)
-    jobs = [(0, PROMPTS[0], E.RequestParams(40, 1.0, seed=3), 0),
-            (1, PROMPTS[2], E.RequestParams(40, 1.0, top_p=0.8, seed=4), 1)]  # top-p joins a round later
+    jobs = [(0, PROMPTS[0], RequestParams(40, 1.0, seed=3), 0),
+            (1, PROMPTS[2], RequestParams(40, 1.0, top_p=0.8, seed=4), 1)]  # top-p joins a round later
     out = _run(eng, jobs, steps=rounds + 1)
     for slot, prompt, p, at in jobs:
         arr, lens = ar.pad_prompts([prompt], 0)
@@ -115,7 +117,7 @@ def test_several_steps_per_call_stop_a_slot_inside_the_call():
     """A slot stops mid-call at a stop token (any of the engine's, not only EOS) or at the
     context end, and reports done in that call; its tokens are the sampler's."""
     lm = tiny_lm("ar", max_seq_len=32)
-    params = E.RequestParams(20, 1.0, seed=4)
+    params = RequestParams(20, 1.0, seed=4)
     ref = _run(E.AREngine(lm, 2), [(0, PROMPTS[1], params, 0)], steps=6)[0]
     i = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])  # a token not produced before
     eng = E.AREngine(lm, 2, steps_per_call=8)
@@ -150,9 +152,9 @@ def test_engines_compile_the_top_p_sort_only_while_a_slot_filters():
 
         state = eng.init_state()
         assert not sorts(state)
-        state = eng.insert(eng.prefill(PROMPTS[0], E.RequestParams(8, 1.0, top_p=0.5)), state, 1)
+        state = eng.insert(eng.prefill(PROMPTS[0], RequestParams(8, 1.0, top_p=0.5)), state, 1)
         assert sorts(state)
-        state = eng.insert(eng.prefill(PROMPTS[1], E.RequestParams(8, 1.0)), state, 0)
+        state = eng.insert(eng.prefill(PROMPTS[1], RequestParams(8, 1.0)), state, 0)
         assert sorts(state)
         state = eng.free(state, 1)
         assert not sorts(state)
@@ -166,7 +168,7 @@ def test_block_diffusion_engine_matches_the_decoder():
     eng = E.BlockDiffusionEngine(lm, 2, threshold=0.5)
     d = lm.model_cfg.block_size
     # sampled tokens (a traced temperature per slot); the second request joins a step later
-    jobs = [(1, PROMPTS[2], E.RequestParams(64, 1.0, seed=9), 0), (0, PROMPTS[1], E.RequestParams(64, 1.0, seed=2), 1)]
+    jobs = [(1, PROMPTS[2], RequestParams(64, 1.0, seed=9), 0), (0, PROMPTS[1], RequestParams(64, 1.0, seed=2), 1)]
     out = _run(eng, jobs, steps=4)
     settings = decode_settings(lm, max_blocks=4, threshold=0.5, temperature=1.0)
     for slot, prompt, p, at in jobs:
@@ -183,9 +185,9 @@ def test_relf_engine_holds_the_prompt_and_is_batch_independent():
 
     lm = tiny_lm("relf")
     eng = E.ReLFEngine(lm, 3, nfe=4)
-    p = E.RequestParams(64, seed=1)
+    p = RequestParams(64, seed=1)
     alone = _run(eng, [(0, PROMPTS[0], p, 0)], steps=1)[0]
-    crowded = _run(eng, [(2, PROMPTS[0], p, 0), (0, PROMPTS[1], E.RequestParams(64, seed=2), 0)], steps=1)[2]
+    crowded = _run(eng, [(2, PROMPTS[0], p, 0), (0, PROMPTS[1], RequestParams(64, seed=2), 0)], steps=1)[2]
     assert alone == crowded and len(alone) > 0
     assert all(t not in (TOK.pad_id, TOK.bos_id) for t in alone)
     # the sampler itself lands the held positions on the prompt's tokens
@@ -205,7 +207,7 @@ def test_relf_engine_holds_a_clean_prompt_for_a_prompt_trained_model():
     lm = tiny_lm("relf", flow_prompt_input=True)
     eng = E.ReLFEngine(lm, 2, nfe=3)
     assert eng.flow_settings.prompt == "clean"
-    out = _run(eng, [(1, PROMPTS[0], E.RequestParams(64, seed=3), 0)], steps=1)[1]
+    out = _run(eng, [(1, PROMPTS[0], RequestParams(64, seed=3), 0)], steps=1)[1]
     assert len(out) > 0 and all(t not in (TOK.pad_id, TOK.bos_id) for t in out)
     assert E.ReLFEngine(tiny_lm("relf"), 1, nfe=3).flow_settings.prompt == "renoise"
 
@@ -216,11 +218,11 @@ def test_requests_that_do_not_fit_are_refused():
     with pytest.raises(UserError, match="context"):
         eng.check_request(10, 23)
     with pytest.raises(UserError):
-        E.RequestParams(max_tokens=0)
+        RequestParams(max_tokens=0)
     with pytest.raises(UserError):
-        E.RequestParams(max_tokens=4, temperature=-1)
+        RequestParams(max_tokens=4, temperature=-1)
     with pytest.raises(UserError):
-        E.RequestParams(max_tokens=4, top_p=0.0)
+        RequestParams(max_tokens=4, top_p=0.0)
 
 
 def test_a_smaller_max_context_shrinks_the_cache_not_the_tokens():
@@ -228,7 +230,7 @@ def test_a_smaller_max_context_shrinks_the_cache_not_the_tokens():
     are refused, and a request that fits gets the tokens it gets with the model's full context
     (AR and speculative)."""
     lm, draft = tiny_lm("ar", 0, max_seq_len=64), tiny_lm("ar", 1, max_seq_len=64)
-    params = E.RequestParams(8, 1.0, seed=6)
+    params = RequestParams(8, 1.0, seed=6)
     for make in (lambda **kw: E.AREngine(lm, 2, steps_per_call=2, **kw),
                  lambda **kw: E.SpeculativeEngine(lm, draft, 2, rule="nsd", k=2, **kw)):
         small, full = make(max_context=40), make()
@@ -246,14 +248,16 @@ def test_a_smaller_max_context_shrinks_the_cache_not_the_tokens():
 
 def test_cache_span_grows_and_shrinks_with_the_occupied_slots_not_the_tokens(monkeypatch):
     """The AR and speculative engines cut their slots' KV caches to the span the occupied
-    slots need (`engines._Spans`): a long request grows it, its end shrinks it, and each
+    slots need (`engines.slots.Spans`): a long request grows it, its end shrinks it, and each
     request's tokens are still its sampler's over the full context."""
     from relf_jax.sampling import autoregressive as ar
     from relf_jax.speculative import generate as spec
 
-    monkeypatch.setattr(E, "SPAN_MIN", 16)  # spans 16, 32, 64 on a 64-token context
+    from relf_jax.serving.engines import slots
+
+    monkeypatch.setattr(slots, "SPAN_MIN", 16)  # spans 16, 32, 64 on a 64-token context
     lm, draft = tiny_lm("ar", 0, max_seq_len=64), tiny_lm("ar", 1, max_seq_len=64)
-    pa, pb = E.RequestParams(40, 1.0, seed=3), E.RequestParams(8, 1.0, seed=9)
+    pa, pb = RequestParams(40, 1.0, seed=3), RequestParams(8, 1.0, seed=9)
     for eng in (E.AREngine(lm, 2, steps_per_call=2), E.SpeculativeEngine(lm, draft, 2, rule="nsd", k=2)):
         assert eng._spans.lengths == (16, 32, 64)
         eng.warmup([6], spans=1)  # the shortest span only (as `ChatModel` does); the rest compile when used
@@ -294,15 +298,15 @@ def test_few_busy_slots_step_alone_with_the_same_tokens():
     ones); every request's tokens are the same as when all slots step."""
     from relf_jax.speculative.ngram_draft import build_ngram_draft
 
-    held = E._Held(slots=None, occupied=frozenset({5, 1, 6}))
-    assert E._subset(held, 8).tolist() == [1, 5, 6, 0]
-    assert E._subset(E._Held(None, occupied=frozenset({3})), 8).tolist() == [3]
-    assert E._subset(E._Held(None, occupied=frozenset(range(5))), 8) is None
-    assert E._subset(E._Held(None, occupied=frozenset({0})), 1) is None
+    held = Held(slots=None, occupied=frozenset({5, 1, 6}))
+    assert subset_slots(held, 8).tolist() == [1, 5, 6, 0]
+    assert subset_slots(Held(None, occupied=frozenset({3})), 8).tolist() == [3]
+    assert subset_slots(Held(None, occupied=frozenset(range(5))), 8) is None
+    assert subset_slots(Held(None, occupied=frozenset({0})), 1) is None
     lm = tiny_lm("ar", 0, max_seq_len=64)
     table = build_ngram_draft(PROMPTS, lm.model_cfg.vocab_size)
-    jobs = [(5, PROMPTS[0], E.RequestParams(12, 1.0, seed=3), 0), (1, PROMPTS[1], E.RequestParams(12, 1.0, seed=4), 1),
-            (6, PROMPTS[2], E.RequestParams(12, 1.0, top_p=0.9, seed=5), 1)]
+    jobs = [(5, PROMPTS[0], RequestParams(12, 1.0, seed=3), 0), (1, PROMPTS[1], RequestParams(12, 1.0, seed=4), 1),
+            (6, PROMPTS[2], RequestParams(12, 1.0, top_p=0.9, seed=5), 1)]
     for make in (lambda: E.AREngine(lm, 8, steps_per_call=2),
                  lambda: E.SpeculativeEngine(lm, None, 8, rule="standard", k=2, proposer="corpus_ngram",
                                              ngram_table=table)):
@@ -314,7 +318,7 @@ def test_few_busy_slots_step_alone_with_the_same_tokens():
         assert outs[0] == outs[1] and all(len(t) > 1 for t in outs[0].values())
 
 
-def _reference_log_probs(lm, prompt, reply, params: E.RequestParams):
+def _reference_log_probs(lm, prompt, reply, params: RequestParams):
     """Per reply position: the processed log-probs [V] from one forward over prompt + reply
     (no cache), the processors applied by hand with the counts of the reply so far."""
     from flax import nnx
@@ -347,10 +351,10 @@ def test_ar_engine_processors_and_log_probs_match_a_full_forward(temperature):
     that distribution's (1e-4), next to a slot that uses none of it."""
     lm = tiny_lm("ar", 0, max_seq_len=64)
     eng = E.AREngine(lm, 2)
-    params = E.RequestParams(12, temperature, seed=5, top_k=40, min_p=0.01, repetition_penalty=1.5,
+    params = RequestParams(12, temperature, seed=5, top_k=40, min_p=0.01, repetition_penalty=1.5,
                              frequency_penalty=0.4, presence_penalty=0.3, logit_bias=((40, 3.0), (41, -100.0)),
                              logprobs=5)
-    plain = E.RequestParams(12, 1.0, seed=6)
+    plain = RequestParams(12, 1.0, seed=6)
     state = eng.init_state()
     state, pre = eng.prefill_insert(PROMPTS[0], params, state, 0)
     state, _ = eng.prefill_insert(PROMPTS[1], plain, state, 1)
@@ -374,14 +378,14 @@ def test_ar_engine_processors_and_log_probs_match_a_full_forward(temperature):
 def test_engines_refuse_what_they_do_not_implement():
     eng = E.MockEngine(1)
     with pytest.raises(UserError, match="logprobs"):
-        eng.check_params(E.RequestParams(4, logprobs=2))
+        eng.check_params(RequestParams(4, logprobs=2))
     lm = tiny_lm("ar", 0, max_seq_len=64)
     with pytest.raises(UserError, match="outside the vocabulary"):
-        E.AREngine(lm, 1).check_params(E.RequestParams(4, logit_bias=((10_000, 1.0),)))
+        E.AREngine(lm, 1).check_params(RequestParams(4, logit_bias=((10_000, 1.0),)))
     for bad in ({"min_p": 1.5}, {"repetition_penalty": 0.0}, {"frequency_penalty": 3.0}, {"top_k": -1},
                 {"logit_bias": ((3, 200.0),)}, {"logprobs": 21}):
         with pytest.raises(UserError):
-            E.RequestParams(4, **bad)
+            RequestParams(4, **bad)
 
 
 @pytest.mark.parametrize("rule, proposer", [("standard", "draft"), ("standard", "corpus_ngram"), ("nsd", "draft"),
@@ -394,7 +398,7 @@ def test_speculative_engine_with_processors_at_t0_equals_ar(rule, proposer):
 
     lm, draft = tiny_lm("ar", 0, max_seq_len=64), tiny_lm("ar", 1, max_seq_len=64)
     table = build_ngram_draft(PROMPTS, lm.model_cfg.vocab_size) if proposer == "corpus_ngram" else None
-    params = E.RequestParams(14, 0.0, repetition_penalty=1.8, frequency_penalty=0.6, presence_penalty=0.4,
+    params = RequestParams(14, 0.0, repetition_penalty=1.8, frequency_penalty=0.6, presence_penalty=0.4,
                              logit_bias=((45, 1.5), (6 + ord("e"), -2.0)), min_p=0.05, logprobs=3)
     engines = [E.AREngine(lm, 2), E.SpeculativeEngine(lm, draft, 2, rule=rule, k=3, proposer=proposer,
                                                       ngram_table=table)]
@@ -423,6 +427,6 @@ def test_a_prompt_past_half_the_context_gets_its_whole_reply(kind):
         eng = E.SpeculativeEngine(lm, None, 1, rule="standard", k=3, proposer="prompt_lookup")
     prompt = [2] + TOK.encode("<user> " + "abcdefgh" * 4 + " <assistant>")[:40]  # bucket 64 -> capped
     bias = tuple((t, -100.0) for t in eng.stop_ids)  # no stop token: the reply runs to max_tokens
-    params = E.RequestParams(12, 1.0, seed=1, logit_bias=bias)
+    params = RequestParams(12, 1.0, seed=1, logit_bias=bias)
     out = _run(eng, [(0, prompt, params, 0)], steps=12)
     assert len(out[0]) >= 12

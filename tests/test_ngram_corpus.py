@@ -141,7 +141,8 @@ def test_served_requests_update_the_online_table_and_replies_stay_exact():
     """A speculative engine with an online table: each finished request is counted and the new
     table is swapped in (no recompile: same shapes); greedy replies equal the AR engine's."""
     from relf_jax.serving.batching import Batcher, GenerationRequest
-    from relf_jax.serving.engines import AREngine, RequestParams, SpeculativeEngine
+    from relf_jax.serving.engine_api import RequestParams
+    from relf_jax.serving.engines import AREngine, SpeculativeEngine
 
     lm = tiny_lm(max_seq_len=48)
     online = nd.OnlineNgram(lm.model_cfg.vocab_size, max_tokens=64, capacity=64)

@@ -455,6 +455,7 @@ def test_segment_length_prior_draws_and_travels_with_safetensors(tmp_path):
 
 def test_relf_engine_writes_one_segment_of_a_drawn_length_for_a_segment_trained_model():
     from relf_jax.serving import engines as E
+    from relf_jax.serving.engine_api import RequestParams
     from tests._serving import tiny_lm
 
     tok = E.ByteTokenizer()
@@ -467,14 +468,14 @@ def test_relf_engine_writes_one_segment_of_a_drawn_length_for_a_segment_trained_
     eng = E.ReLFEngine(lm, 2, nfe=3)
     seen = set()
     for seed in range(6):
-        state = eng.insert(eng.prefill(prompt, E.RequestParams(64, seed=seed)), eng.init_state(), 1)
+        state = eng.insert(eng.prefill(prompt, RequestParams(64, seed=seed)), eng.init_state(), 1)
         seg_len = int(np.asarray(state.segment_len)[1])
         seen.add(seg_len)
         state, out = eng.generate(state)
         assert out.done[1] and len(out.tokens[1]) <= seg_len - len(prompt)  # nothing past the segment
-        again = eng.insert(eng.prefill(prompt, E.RequestParams(64, seed=seed)), eng.init_state(), 0)
+        again = eng.insert(eng.prefill(prompt, RequestParams(64, seed=seed)), eng.init_state(), 0)
         assert int(np.asarray(again.segment_len)[0]) == seg_len  # drawn from the request's seed
     assert seen == {len(prompt) + 3, len(prompt) + 5}
     whole = E.ReLFEngine(tiny_lm("relf"), 1, nfe=3)  # no prior: the whole row, as before
-    assert int(np.asarray(whole.insert(whole.prefill(prompt, E.RequestParams(64, seed=0)), whole.init_state(),
+    assert int(np.asarray(whole.insert(whole.prefill(prompt, RequestParams(64, seed=0)), whole.init_state(),
                                        0).segment_len)[0]) == length

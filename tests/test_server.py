@@ -338,14 +338,14 @@ def test_sigterm_drains_in_flight_requests_then_exits():
 
 def test_bench_load_generator_against_the_mock_server():
     """`relf-jax bench serve`'s load generator (its own process) and its summary, on a live mock server."""
-    from experiments.bench_serve import _run_load, summarize_run
+    from experiments.bench.serve_client import run_load, summarize_run
     from relf_jax.serving.simulator import poisson_arrivals
 
     with live_server(mock_models(2, step_s=0.002)) as base:
         bodies = [{"model": "mock", "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 8,
                    "messages": [{"role": "user", "content": f"request {i}"}]} for i in range(12)]
         bodies.append({"model": "nope", "stream": True, "messages": USER})  # one error, counted
-        res = _run_load(f"{base}/v1/chat/completions", bodies, poisson_arrivals(50.0, len(bodies), 0))
+        res = run_load(f"{base}/v1/chat/completions", bodies, poisson_arrivals(50.0, len(bodies), 0))
     s = summarize_run(res["records"], res["wall_s"])
     assert [r["text"] for r in res["records"][:12]] == [f"request {i}"[:8] for i in range(12)]
     assert {r["finish"] for r in res["records"][:12]} == {"length"}  # 9+ bytes + EOS > max_tokens 8
@@ -357,11 +357,13 @@ def test_bench_load_generator_against_the_mock_server():
 def test_bench_batcher_capacity_on_mock_engines():
     """`bench serve`'s in-process capacity runs: every request finishes, its tokens are counted,
     and an engine whose steps take longer serves fewer tokens per second."""
-    from experiments.bench_serve import SPEC_ENGINES, _engine_kw, batcher_capacity
-    from relf_jax.serving.engines import MockEngine, RequestParams
+    from experiments.bench.serve import SPEC_ENGINES
+    from experiments.bench.serve_batcher import batcher_capacity, engine_kw
+    from relf_jax.serving.engine_api import RequestParams
+    from relf_jax.serving.engines import MockEngine
 
-    assert _engine_kw(dict(SPEC_ENGINES)["nsd_ngram"]) == ("nsd", {"proposer": "corpus_ngram"})
-    assert _engine_kw(dict(SPEC_ENGINES)["ar"]) == ("ar", {})
+    assert engine_kw(dict(SPEC_ENGINES)["nsd_ngram"]) == ("nsd", {"proposer": "corpus_ngram"})
+    assert engine_kw(dict(SPEC_ENGINES)["ar"]) == ("ar", {})
     slow, fast = MockEngine(2, step_s=0.004), MockEngine(2, step_s=0.0005)
     batchers = {"ar": Batcher(slow).start(), "nsd": Batcher(fast).start()}
     tok = slow.tokenizer
@@ -383,14 +385,14 @@ def test_bench_batcher_capacity_on_mock_engines():
 def test_bench_lean_route_comparison_on_mock_servers(tmp_path):
     """`bench serve`'s side-by-side batch-1 runs of the normal server against `serve
     --no-lean-routes` and `serve --overlap off`."""
-    from experiments.bench_serve import ServerProcess, _batch1, _lean_route_batch1
+    from experiments.bench.serve_servers import ServerProcess, batch1_run, lean_route_batch1
 
     bodies = [{"model": "mock", "stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": f"hi {i}"}]}
               for i in range(6)]
     args = ["--mock", "--mock-step-ms", "1", "--model-name", "mock"]
     with ServerProcess(args, str(tmp_path / "lean.log")) as lean:
-        first = _batch1(lean, bodies)
-        out = _lean_route_batch1(lean, first, {"stack": ([*args, "--no-lean-routes"], str(tmp_path / "stack.log")),
+        first = batch1_run(lean, bodies)
+        out = lean_route_batch1(lean, first, {"stack": ([*args, "--no-lean-routes"], str(tmp_path / "stack.log")),
                                                "no_overlap": ([*args, "--overlap", "off"],
                                                               str(tmp_path / "no_overlap.log"))},
                                  bodies, 2)

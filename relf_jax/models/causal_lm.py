@@ -60,7 +60,7 @@ class CausalLM(nnx.Module):
         queries may see (all positions < attend_len); the cache is still written in full. The
         samplers' prefills pass the prompt length, so a prompt skips the empty rest of its cache.
         (Per decode step this would slice the cache, which XLA:CPU copies every step; the serving
-        engines resize the caches instead, `relf_jax.serving.engines._Spans`.) `logits_at` ([B]
+        engines resize the caches instead, `relf_jax.serving.engines.slots.Spans`.) `logits_at` ([B]
         int): only the logits at that position of each row, [B, 1, V] (a prefill needs its
         last prompt position only: the output layer runs once per row instead of T times).
         Returns (logits [B, T, V] float32, cache).

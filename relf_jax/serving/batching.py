@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from relf_jax.serving.engines import Engine, RequestParams
+from relf_jax.serving.engine_api import Engine, RequestParams
 from relf_jax.serving.scheduler import FCFS, Policy, QueueFull, Request, RequestQueue
 
 __all__ = ["Batcher", "Event", "GenerationRequest", "QueueFull", "ServerClosed"]

@@ -35,7 +35,7 @@ from typing import Any, Self
 
 from relf_jax.errors import UserError
 from relf_jax.serving.batching import Batcher, Event, GenerationRequest
-from relf_jax.serving.engines import Engine, RequestParams
+from relf_jax.serving.engine_api import Engine, RequestParams
 from relf_jax.serving.scheduler import Policy
 
 GENERATORS = ("ar", "standard", "nsd", "greedy", "bd", "relf")
@@ -274,7 +274,7 @@ def encode_chat(tokenizer, template: ChatTemplate, messages: Sequence[dict], *,
 
 
 # AR tokens / speculative rounds per engine call when served (`load_engine`, `relf-jax serve`):
-# amortises the host work per call (see `relf_jax.serving.engines._check_steps_per_call`). About
+# amortises the host work per call (see `relf_jax.serving.engines.slots.check_steps_per_call`). About
 # 10 ms of model time per call for the demo's cpu model: 8 AR steps or 2 speculative rounds.
 STEPS_PER_CALL = {"ar": 8, "speculative": 2}
 
@@ -304,11 +304,11 @@ def load_engine(workdir: str, generator: str = "ar", *, slots: int = 8, k: int =
     newest `ngram_online_tokens` tokens; the named files, if any, always count). None: the
     training data of a model relf_jax trained; an imported model needs a corpus (`UserError`).
     "bd" (block diffusion, `threshold`); "relf" (`nfe` steps). `steps_per_call`: AR tokens or
-    speculative rounds per engine call (`relf_jax.serving.engines._check_steps_per_call`;
+    speculative rounds per engine call (`relf_jax.serving.engines.slots.check_steps_per_call`;
     None: `STEPS_PER_CALL`). `max_context` (AR and speculative; the others ignore it, as AR
     ignores `nfe`): prompt + reply tokens a slot holds, below the model's context (None: the
     model's). A slot's KV cache holds at most this many tokens (the engines size it to what the
-    occupied slots need, `relf_jax.serving.engines._Spans`); longer requests are refused
+    occupied slots need, `relf_jax.serving.engines.slots.Spans`); longer requests are refused
     (HTTP 400).
     """
     from relf_jax import workflows

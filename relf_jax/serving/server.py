@@ -53,7 +53,7 @@ from relf_jax.serving.batching import (
     ServerClosed,
 )
 from relf_jax.serving.chat import ChatTemplate, encode_chat
-from relf_jax.serving.engines import LOGPROBS_TOP, Engine, RequestParams
+from relf_jax.serving.engine_api import LOGPROBS_TOP, Engine, RequestParams
 
 MAX_BODY_BYTES = 1 << 20
 MAX_N = 16  # choices per request

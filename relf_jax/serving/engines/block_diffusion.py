@@ -1,0 +1,156 @@
+"""`BlockDiffusionEngine`: one committed block per step (confidence-threshold decoding of
+`relf_jax.dws.decoding`)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from relf_jax.data.tokenizer import turn_stop_ids
+from relf_jax.errors import UserError
+from relf_jax.serving.engine_api import Engine, Prefix, RequestParams, StepOutput
+from relf_jax.serving.engines.slots import Leaves, bucket_for, free_all_slots, set_slot, stack_slots
+
+
+@flax.struct.dataclass
+class _BDSlot:
+    canvas: jax.Array  # [1, C]
+    cache: Any  # per layer (k, v) [1, heads, C, hd]
+    prompt_len: jax.Array  # [1]
+    blocks: jax.Array  # [] output blocks decoded
+    done: jax.Array  # [1]
+    key: jax.Array  # [2] uint32 key data
+    temperature: jax.Array  # []
+
+
+class BlockDiffusionEngine(Engine):
+    """One committed block per step per slot (`relf_jax.dws.decoding`'s confidence-threshold rule).
+
+    Each step runs, for every occupied slot in lockstep, the denoising steps its current block
+    needs (a slot whose block is done idles until the others finish theirs), then the refresh
+    forward; the step's output is each slot's committed block. Temperature 0 is greedy; > 0
+    samples tokens (inverse CDF, `processors.sample`) per slot. `top_p` does not apply.
+    """
+
+    def __init__(self, lm, num_slots: int = 8, *, threshold: float = 0.95, name: str = "bd"):
+        from relf_jax.dws import decoding as bdd
+        from relf_jax.models.block_diffusion import mask_id
+
+        if lm.model_cfg.family != "bd":
+            raise UserError(f"the block-diffusion engine needs a 'bd' model, got {lm.model_cfg.family!r}")
+        self._bdd = bdd
+        self.lm, self.num_slots, self.name = lm, num_slots, name
+        self.tokenizer = lm.tokenizer
+        d = lm.model_cfg.block_size
+        self.block_size = d
+        self.max_context = (lm.model_cfg.max_seq_len // d) * d
+        self.stop_ids = turn_stop_ids(lm.tokenizer, pad=True)
+        self.tokens_per_step = d
+        self.settings = bdd.BlockDecodeSettings(block_size=d, max_blocks=1, mask_id=mask_id(lm.model_cfg),
+                                                pad_id=lm.tokenizer.pad_id, stop_ids=self.stop_ids,
+                                                threshold=threshold)
+        self._weights = Leaves(lm.params)
+        self._jit_step = jax.jit(self._step_all, donate_argnums=(1,))
+        self._jit_insert = jax.jit(set_slot, donate_argnums=(0,))
+        self._jit_prefill = jax.jit(self._prefix_data)
+        self._jit_prefill_insert = jax.jit(self._prefill_into, donate_argnums=(1,))
+        self._jit_free = jax.jit(lambda s, slot: s.replace(done=s.done.at[slot].set(True)), donate_argnums=(0,))
+
+    def reserve(self) -> int:
+        return self.block_size  # the last block may run past max_tokens
+
+    def init_state(self):
+        return free_all_slots(self, stack_slots(self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data,
+                                              self.num_slots))
+
+    def prefill(self, prompt, params):
+        arr, plen = self._padded(prompt)
+        t0 = time.perf_counter()
+        data = jax.block_until_ready(self._jit_prefill(self._weights.leaves, arr, plen, np.uint32(params.seed),
+                                                       np.float32(params.temperature)))
+        return Prefix(data=data, tokens=[], done=False, model_s=time.perf_counter() - t0)
+
+    def insert(self, prefix, state, slot):
+        return self._jit_insert(state, prefix.data, slot)
+
+    def _padded(self, prompt):
+        bdd, d = self._bdd, self.block_size
+        pb = bucket_for(bdd.prompt_bucket(len(prompt), d), self.max_context - d)
+        return bdd.pad_prompts([list(prompt)], self.tokenizer.pad_id, d, -(-pb // d) * d)
+
+    def _prefix_data(self, params, prompts, prompt_len, seed, temperature):
+        """One padded prompt's slot data (its prefilled cache): traced, the seed's key made inside."""
+        bdd = self._bdd
+        cache = bdd._prefill_jit(self.lm.graphdef, self._weights.tree(params), prompts, prompt_len, canvas_len=self.max_context,
+                                 settings=self.settings)
+        return _BDSlot(canvas=bdd._canvas(prompts, self.max_context, self.tokenizer.pad_id), cache=cache,
+                       prompt_len=prompt_len, blocks=jnp.int32(0), done=jnp.zeros((1,), bool),
+                       key=jax.random.key_data(jax.random.key(seed)), temperature=temperature)
+
+    def _prefill_into(self, params, slots, prompts, prompt_len, seed, temperature, slot):
+        return set_slot(slots, self._prefix_data(params, prompts, prompt_len, seed, temperature), slot)
+
+    def prefill_insert(self, prompt, params, state, slot):
+        arr, plen = self._padded(prompt)
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(self._jit_prefill_insert(self._weights.leaves, state, arr, plen,
+                                                               np.uint32(params.seed),
+                                                               np.float32(params.temperature), slot))
+        return state, Prefix(data=None, tokens=[], done=False, model_s=time.perf_counter() - t0)
+
+    def free(self, state, slot, stopped=False):
+        return state if stopped else self._jit_free(state, slot)
+
+    def _step_all(self, params, slots: _BDSlot):
+        bdd, settings, d = self._bdd, self.settings, self.block_size
+        model = nnx.merge(self.lm.graphdef, self._weights.tree(params))
+
+        def one(sl: _BDSlot):
+            active = ~sl.done
+            start = bdd._block_start(sl.prompt_len, sl.blocks, settings)
+            block, is_masked = bdd._open_block(sl.canvas, sl.prompt_len, start, settings)
+            is_masked &= active[:, None]
+
+            def body(c):
+                cache, block, is_masked, key = c
+                key, sub = jax.random.split(key)
+                logits, cache = bdd._forward(model, cache, block, start, settings)
+                commit, toks = bdd.confidence_commit(logits, is_masked, settings.threshold,
+                                                     temperature=sl.temperature, key=sub,
+                                                     confidence=settings.confidence)
+                return cache, jnp.where(commit, toks, block), is_masked & ~commit, key
+
+            key = jax.random.wrap_key_data(sl.key)
+            cache, block, _, key = jax.lax.while_loop(lambda c: c[2].any(), body,
+                                                      (sl.cache, block, is_masked, key))
+            _, cache = bdd._forward(model, cache, block, start, settings)
+            canvas, stop_pos = bdd._close_block(sl.canvas, block, start, sl.prompt_len, active, settings)
+            lo = jnp.maximum(start, sl.prompt_len) - start
+            hi = jnp.where(stop_pos >= 0, stop_pos + 1 - start, d)
+            full = start + 2 * d > self.max_context
+            done = sl.done | (active & ((stop_pos >= 0) | full))
+            new = _BDSlot(canvas=canvas, cache=cache, prompt_len=sl.prompt_len,
+                          blocks=sl.blocks + active[0].astype(jnp.int32), done=done,
+                          key=jax.random.key_data(key), temperature=sl.temperature)
+            row = jnp.stack([jnp.where(active, lo, 0)[0], jnp.where(active, hi, 0)[0], (active & done)[0]])
+            return new, jnp.concatenate([block[0], row.astype(block.dtype)])
+
+        return jax.vmap(one)(slots)  # (state, [slots, (d block tokens, lo, hi, done)])
+
+    def generate(self, state):
+        t0 = time.perf_counter()
+        state, out = self._jit_step(self._weights.leaves, state)
+        out = np.asarray(out).tolist()  # one device-to-host copy; Python ints from here on
+        model_s = time.perf_counter() - t0
+        d = self.block_size
+        toks = [row[row[d]:row[d + 1]] for row in out]
+        return state, StepOutput(tokens=toks, done=[bool(row[d + 2]) for row in out], model_s=model_s)
+
+
+# ------------------------------------------------------------------------------ ReLF

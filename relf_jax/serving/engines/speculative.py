@@ -1,0 +1,260 @@
+"""`SpeculativeEngine`: one draft/verify round per step, 1..k+1 tokens (the round of
+`relf_jax.speculative.generate`; standard / NSD / greedy rule; draft model, prompt lookup or the
+corpus n-gram table)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from relf_jax.data.tokenizer import turn_stop_ids
+from relf_jax.errors import UserError
+from relf_jax.serving.engine_api import LOGPROBS_TOP, SAMPLING_FEATURES, Engine, Pending, RequestParams, StepOutput
+from relf_jax.serving.engines.slots import (Held, Leaves, Slot, Spans, SpanSized, bucket_for, check_steps_per_call,
+                                            collect_rows, done_at_stop_only, engine_context, first_prefix, float_bits,
+                                            free_all_slots, lp_entry, pad_one, request_knobs, request_sampling,
+                                            resize_cache, run_parked, set_slot, sparse_bias, stack_slots, step_subset,
+                                            subset_slots)
+
+
+class SpeculativeEngine(SpanSized, Engine):
+    """One draft/verify round per step per slot (`relf_jax.speculative.generate`'s round).
+
+    rule: "standard" (exact), "nsd" (nucleus relaxation, `nsd_top_p`) or "greedy"; proposer:
+    "draft" (needs `draft`, a loaded AR model with the same tokenizer), "prompt_lookup" or
+    "corpus_ngram" (needs `ngram_table`, an `NgramDraft`, or `ngram_online`, an
+    `relf_jax.speculative.ngram_draft.OnlineNgram` that counts the requests served and whose
+    new tables `request_finished` swaps in, `update_ngram_table`).
+    Implements every `SAMPLING_FEATURES` entry per request, on the target's distribution (the
+    round's processed verification, `relf_jax.speculative.generate`).
+    """
+
+    supported = frozenset(SAMPLING_FEATURES)
+
+    def __init__(self, lm, draft=None, num_slots: int = 8, *, rule: str = "nsd", k: int = 4,
+                 proposer: str = "draft", nsd_top_p: float = 0.9, ngram: int = 3, steps_per_call: int = 1,
+                 name: str | None = None, max_context: int | None = None, ngram_table=None,
+                 ngram_online=None):
+        from relf_jax.speculative import generate as spec
+
+        if num_slots < 1:
+            raise UserError(f"num_slots must be >= 1, got {num_slots}")
+        if proposer == "draft" and draft is None:
+            raise UserError("the speculative engine with proposer 'draft' needs a draft model")
+        if proposer == "corpus_ngram" and ngram_table is None and ngram_online is not None:
+            ngram_table = ngram_online.table
+        if proposer == "corpus_ngram":
+            spec.check_ngram_table(ngram_table, lm.model_cfg.vocab_size)
+        self.ngram_table = ngram_table if proposer == "corpus_ngram" else None
+        self.ngram_online = ngram_online if proposer == "corpus_ngram" else None
+        self._spec = spec
+        self.lm, self.draft, self.num_slots = lm, (draft if proposer == "draft" else None), num_slots
+        self.rule, self.k, self.proposer, self.nsd_top_p, self.ngram = rule, k, proposer, nsd_top_p, ngram
+        self.name = name or f"spec-{rule}"
+        self.tokenizer = lm.tokenizer
+        self.vocab_size = lm.model_cfg.vocab_size
+        model_max = lm.model_cfg.max_seq_len
+        if self.draft is not None:
+            model_max = min(model_max, self.draft.model_cfg.max_seq_len)
+        self.max_context = engine_context(model_max, max_context)
+        self.stop_ids = turn_stop_ids(lm.tokenizer)
+        self.steps_per_call = check_steps_per_call(steps_per_call)
+        self.tokens_per_step = (k + 1) * self.steps_per_call
+        self._step_settings = self._settings(self.max_context)
+        self.compact = True  # step only the occupied slots when few are (`subset_slots`)
+        self._spans = Spans(num_slots, self.max_context, self.tokens_per_step)
+        self._target_w = Leaves(lm.params)
+        self._draft_w = Leaves(self.draft.params) if self.draft is not None else None
+        self._jit_step = jax.jit(self._step_all, donate_argnums=(2,), static_argnames=("features",))
+        self._jit_step_subset = jax.jit(functools.partial(step_subset, self._step_all), donate_argnums=(2,),
+                                        static_argnames=("features",))
+        self._jit_resize = jax.jit(lambda s, span: s.replace(state=s.state.replace(
+            target_cache=resize_cache(s.state.target_cache, span),
+            draft_cache=resize_cache(s.state.draft_cache, span))), static_argnums=(1,))
+        self._jit_insert = jax.jit(set_slot, donate_argnums=(0,))
+        self._jit_prefill = jax.jit(self._prefix_data, static_argnames=("settings", "features"))
+        self._jit_prefill_insert = jax.jit(self._prefill_into, donate_argnums=(2,),
+                                           static_argnames=("settings", "features"))
+        self._jit_free = jax.jit(lambda s, slot: dataclasses.replace(
+            s, state=dataclasses.replace(s.state, done=s.state.done.at[slot].set(True))), donate_argnums=(0,))
+
+    def _settings(self, max_new_tokens: int):
+        tok = self.tokenizer
+        return self._spec.SpecSettings(k=self.k, rule=self.rule, proposer=self.proposer,
+                                       max_new_tokens=max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                                       ngram=self.ngram, track_tokens=True)
+
+    def update_ngram_table(self, table) -> None:
+        """Use `table` (an `NgramDraft`) from the next prefill / step on. It must have the current
+        table's shapes (`ngram_draft.same_shapes`), so the jitted calls do not recompile. Safe
+        between steps and exact: the table is only the proposal distribution."""
+        from relf_jax.speculative import ngram_draft
+
+        if self.ngram_table is None:
+            raise ValueError(f"the {self.name} engine has no n-gram table (proposer {self.proposer!r})")
+        if not ngram_draft.same_shapes(self.ngram_table, table):
+            raise ValueError("the new n-gram table's shapes differ from the current one's (a recompile)")
+        self.ngram_table = table
+
+    def request_finished(self, prompt, reply) -> None:
+        if self.ngram_online is not None and self.ngram_online.add([*prompt, *reply]):
+            self.update_ngram_table(self.ngram_online.table)
+
+    def reserve(self) -> int:
+        return self.k + 1
+
+    def _request(self, p: RequestParams):
+        """The request's settings as the jitted prefills take them (host arrays; the rest static)."""
+        ids, vals = sparse_bias(p)
+        return {"seed": np.uint32(p.seed), "knobs": request_knobs(p, 0), "bias_ids": ids, "bias_vals": vals}
+
+    def _spec_params(self, knobs, bias_ids, bias_vals):
+        """(Traced) `SpecParams` of one request, every field present (see `request_sampling`)."""
+        from relf_jax.sampling import autoregressive as ar
+
+        sp = request_sampling(ar, knobs, bias_ids, bias_vals, self.vocab_size)
+        return self._spec.SpecParams(sp.temperature, sp.top_p, jnp.float32(self.nsd_top_p), sp.top_k, sp.min_p,
+                                     sp.penalties)
+
+    @staticmethod
+    def _static_params(sp, features: frozenset):
+        """`sp` with the features no held slot uses switched off at trace time (see `Held`)."""
+        pen = sp.penalties.off(bias="bias" not in features, penalties="penalties" not in features)
+        return sp.replace(top_k=sp.top_k if "top_k" in features else None,
+                          top_p=sp.top_p if "nucleus" in features else None,
+                          min_p=sp.min_p if "min_p" in features else None,
+                          penalties=pen if pen.bias is not None or pen.tracks else None)
+
+    def _weight_args(self):
+        """The target's and the draft's weights as the jitted calls take them (`Leaves`; the
+        n-gram table or None in the draft's place without a draft model)."""
+        return self._target_w.leaves, (self._draft_w.leaves if self._draft_w is not None else self.ngram_table)
+
+    def _weights(self, target_params, draft_params):
+        """Inside a traced call: the States of what `_weight_args` passed."""
+        return (self._target_w.tree(target_params),
+                self._draft_w.tree(draft_params) if self._draft_w is not None else draft_params)
+
+    def init_state(self):
+        return free_all_slots(self, Held(stack_slots(self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data,
+                                                    self.num_slots)))
+
+    def _padded(self, prompt):
+        bucket = bucket_for(len(prompt), self.max_context - self.reserve() - 1)
+        return (*pad_one(prompt, self.tokenizer.pad_id, bucket), self._settings(self.max_context - bucket - self.k - 1))
+
+    def _prefix_data(self, target_params, draft_params, prompts, lengths, seed, knobs, bias_ids, bias_vals,
+                     settings, features):
+        """(slot data, first token, done, its log-probs or None) of one padded prompt: traced,
+        the seed's key made inside."""
+        dg = self.draft.graphdef if self.draft is not None else None
+        target_params, draft_params = self._weights(target_params, draft_params)
+        sp = self._spec_params(knobs, bias_ids, bias_vals)
+        st, lp = self._spec.prefill_scored(self.lm.graphdef, target_params, dg, draft_params, prompts, lengths,
+                                           jax.random.key(seed), self._static_params(sp, features), settings,
+                                           log_probs=LOGPROBS_TOP if "logprobs" in features else 0)
+        st = done_at_stop_only(st, lengths, self.tokenizer.eos_id)
+        return Slot(state=st, sampling=sp), st.tokens[0, lengths[0]], st.done[0], lp
+
+    def prefill(self, prompt, params):
+        arr, lens, settings = self._padded(prompt)
+        t0 = time.perf_counter()
+        data, first, done, lp = self._jit_prefill(*self._weight_args(), arr, lens, **self._request(params),
+                                                  settings=settings, features=params.features())
+        return first_prefix(self, params, t0, first, done, len(prompt), data=data, lp=lp)
+
+    def _span(self, state) -> int:
+        return state.slots.state.target_cache[0][0].shape[-2]
+
+    def _prefill_into(self, target_params, draft_params, slots, prompts, lengths, seed, knobs, bias_ids, bias_vals,
+                      slot, settings, features):
+        data, first, done, lp = self._prefix_data(target_params, draft_params, prompts, lengths, seed, knobs,
+                                                  bias_ids, bias_vals, settings, features)
+        return set_slot(slots, data, slot), first, done, lp
+
+    def prefill_insert(self, prompt, params, state, slot):
+        arr, lens, settings = self._padded(prompt)
+        state = self._fit(state, extra=len(prompt) + 1)
+        t0 = time.perf_counter()
+        slots, first, done, lp = self._jit_prefill_insert(*self._weight_args(), state.slots, arr, lens,
+                                                          **self._request(params), slot=slot, settings=settings,
+                                                          features=params.features())
+        prefix = first_prefix(self, params, t0, first, done, len(prompt), lp=lp)
+        self._spans.admit(slot, len(prompt))
+        return state.insert(slots, slot, prefix.features), prefix
+
+    def free(self, state, slot, stopped=False):
+        self._spans.free(slot)
+        return state.free(state.slots if stopped else self._jit_free(state.slots, slot), slot)
+
+    def _step_all(self, target_params, draft_params, slots: Slot, features: frozenset):
+        spec, settings = self._spec, self._step_settings
+        dg = self.draft.graphdef if self.draft is not None else None
+        target_params, draft_params = self._weights(target_params, draft_params)
+        n_lp = LOGPROBS_TOP if "logprobs" in features else 0
+
+        def one(st, sp):
+            # Python values switch the unused features off at trace time (see `Held`)
+            return spec.round_scored(self.lm.graphdef, target_params, dg, draft_params, st,
+                                     self._static_params(sp, features), settings, log_probs=n_lp)
+
+        stops = jnp.asarray(self.stop_ids, jnp.int32)
+
+        def round_(slots):
+            old = slots.state
+            new, lp = jax.vmap(one)(old, slots.sampling)
+            start, count = old.lengths[:, 0], new.lengths[:, 0] - old.lengths[:, 0]
+            window = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (self.k + 1,)))(
+                new.tokens[:, 0], jnp.minimum(start, new.tokens.shape[-1] - self.k - 1))
+            accepted = new.accepted[:, 0] - old.accepted[:, 0]
+            # a slot stops at any stop token it committed (the sampler itself only at EOS) or when full
+            stopped = jnp.any(jnp.isin(window, stops) & (jnp.arange(self.k + 1)[None, :] < count[:, None]), axis=1)
+            done = new.done[:, 0] | stopped | (new.lengths[:, 0] + self.k + 1 > self.max_context)
+            new = dataclasses.replace(new, done=done[:, None])
+            cols = [count, done & (count > 0), accepted]
+            parts = [window, jnp.stack(cols, axis=1).astype(window.dtype)]
+            if n_lp:  # per position: the log-prob, top ids, top log-probs (bit patterns)
+                parts.append(float_bits(lp[:, 0].reshape(lp.shape[0], -1)))
+            return dataclasses.replace(slots, state=new), jnp.concatenate(parts, axis=1)
+
+        # [slots, rounds, (k + 1 tokens, count, done, accepted[, (k + 1) * (1 + 2 * top)])]
+        return run_parked(round_, slots, self.steps_per_call,
+                           self.k + 4 + (self.k + 1) * (1 + 2 * n_lp if n_lp else 0), features)
+
+    def dispatch(self, state):
+        t0 = time.perf_counter()
+        state = self._fit(state)
+        idx = subset_slots(state, self.num_slots) if self.compact else None
+        args = (*self._weight_args(), state.slots)
+        if idx is None:
+            slots, out = self._jit_step(*args, features=state.features)
+        else:
+            slots, out = self._jit_step_subset(*args, idx=idx, features=state.features)
+        return dataclasses.replace(state, slots=slots), Pending(out, idx, t0, time.perf_counter())
+
+    def collect(self, pending):
+        out, model_s, early = collect_rows(pending, self.num_slots)
+        w = self.k + 1
+        toks = [[t for r in row for t in r[:r[w]]] for row in out]
+        lps = None
+        if len(out[0][0]) > w + 3:  # each position's log-probs (bit patterns) follow
+            def entries(r):
+                per = np.asarray(r[w + 3:], np.int32).view(np.float32).reshape(w, -1)
+                return [lp_entry(per[j]) for j in range(r[w])]
+            lps = [[e for r in row for e in entries(r)] for row in out]
+        self._spans.advance_by(toks)
+        return StepOutput(tokens=toks, done=[any(r[w + 1] for r in row) for row in out], model_s=model_s,
+                          accepted=[sum(r[w + 2] for r in row) for row in out],
+                          steps=[sum(r[w] > 0 for r in row) for row in out], ready_early=early, log_probs=lps)
+
+    def generate(self, state):
+        state, pending = self.dispatch(state)
+        return state, self.collect(pending)
+
+
+# ------------------------------------------------------------------------------ block diffusion
