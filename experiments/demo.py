@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 
 from relf_jax import workflows
 from relf_jax.config import SpeculativeConfig, make_config
+from relf_jax.eval.baselines import positional_unigram_samples
 from relf_jax.train.metrics import read_metrics
 
 AR_TEMPERATURES = (1.0, 0.8)
@@ -115,8 +116,6 @@ def run_demo(quick: bool = False, workdir: Optional[str] = None, overrides: Sequ
     rows.append(_relf_row(reflowed, judge, sc.num_samples, "relf euler reflow2", nfe=16, sampler="euler"))
     # the reference a whole-sequence model must beat: every position drawn from its own unigram
     # frequencies (a flow model stuck at the positional prior scores like this row)
-    from experiments.bench_relf import positional_unigram_samples
-
     s = positional_unigram_samples(workflows.prepare_data(cfg), relf.tokenizer, sc.num_samples, cfg.data.seq_len)
     q = workflows.evaluate_samples(s, judge)
     rows.append({"method": "positional unigram (reference)", "nfe": None, "gen_ppl": q["gen_ppl"],

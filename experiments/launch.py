@@ -230,23 +230,8 @@ def _run(args) -> int:
         run_demo(quick=args.quick, workdir=args.workdir, overrides=args.overrides)
         return 0
     if args.command == "bench":
-        from experiments import bench
-        if args.which == "relf":
-            from experiments.bench_relf import bench_relf as run_bench
-        elif args.which == "hf":
-            from experiments.bench_hf import bench_hf as run_bench
-        elif args.which == "rcsd":
-            from experiments.bench_rcsd import bench_rcsd as run_bench
-        elif args.which == "dws":
-            from experiments.bench_dws import bench_dws as run_bench
-        elif args.which == "serve":
-            from experiments.bench_serve import bench_serve as run_bench
-        elif args.which == "relf-toy":
-            from experiments.bench_relf_toy import bench_relf_toy as run_bench
-        elif args.which == "bd":
-            from experiments.bench_bd import bench_bd as run_bench
-        else:
-            run_bench = getattr(bench, f"bench_{args.which}")
+        from experiments.bench import bench_function
+        run_bench = bench_function(args.which)
         extra = {}
         if args.parts is not None:
             if args.which not in ("serve", "relf"):

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from experiments.bench_bd import plot, targets
+from experiments.bench.bd import plot, targets
 
 
 def _ar(steps, pts):

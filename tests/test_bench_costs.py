@@ -1,8 +1,8 @@
 """`bench spec`'s verification-cost probe on a tiny model: shapes of the report, sane numbers."""
 
-from experiments.bench import forward_costs
 from relf_jax.checkpoint import LoadedModel
 from relf_jax.config import Config
+from relf_jax.speculative.cost import forward_costs
 
 
 def test_forward_costs_reports_both_batches(tiny_model, tiny_model_cfg):

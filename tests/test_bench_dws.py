@@ -9,7 +9,7 @@ import pytest
 
 @pytest.mark.slow
 def test_bench_dws_toy_sizes(tmp_path):
-    from experiments.bench_dws import QUICK, bench_dws
+    from experiments.bench.dws import QUICK, bench_dws
 
     sizes = dataclasses.replace(QUICK, bd_steps=10, n_train=48, n_probe=16, n_test=24, coarse_steps=5,
                                 fine_steps=5, predictor_batch=16, loads=(0.5, 0.9), seeds=5, sim_jobs=100)

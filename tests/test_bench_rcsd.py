@@ -2,7 +2,7 @@
 
 import pytest
 
-from experiments.bench_rcsd import _summary
+from experiments.bench.rcsd import summary
 
 
 def test_summary_ratios_spread_and_shift_recovery():
@@ -14,7 +14,7 @@ def test_summary_ratios_spread_and_shift_recovery():
     report = {"rows": rows, "shift_reference": {"full_draft_tau": 3.0},
               "shift": {"a_distilled": [2.0, 2.0, 2.0], "b_online_distill": [2.0, 2.2, 2.4],
                         "c_rcsd": [2.0, 2.5, 2.75]}}
-    s = _summary(report)
+    s = summary(report)
     assert s["a_distilled"]["tau_mean"] == pytest.approx(13 / 6)
     assert s["c_rcsd"]["tau_ratio_to_a"] == pytest.approx((1.3 + 1.2 + 1.2) / 3)
     assert s["b_online_distill"]["tau_ratio_to_a"] == pytest.approx((1.1 + 1.0 + 1.0) / 3)
@@ -32,7 +32,7 @@ def test_summary_reference_and_extra_variant():
             {"variant": "a_distilled", "seed": 1, "tau": 3.0, "tokens_per_s": 1.0},
             {"variant": "c_rcsd_beta1", "seed": 0, "tau": 2.2, "tokens_per_s": 1.0},
             {"variant": "c_rcsd_beta1", "seed": 1, "tau": 2.7, "tokens_per_s": 1.0}]
-    s = _summary({"rows": rows, "shift": {}, "reference": {"distill_steps": 1200, "tau": 3.75}})
+    s = summary({"rows": rows, "shift": {}, "reference": {"distill_steps": 1200, "tau": 3.75}})
     assert s["c_rcsd_beta1"]["tau_ratio_to_a"] == pytest.approx((1.1 + 0.9) / 2)
     assert s["reference_tau_ratio_to_a"] == pytest.approx(1.5)
     assert "c_minus_b" not in s and "shift" not in s

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from experiments.bench_relf import ar_ppl_at_entropy, targets
+from experiments.bench.relf_targets import targets
+from relf_jax.eval.baselines import ar_ppl_at_entropy
 
 
 def _ar(entropy, ppl, steps=10):
@@ -71,14 +72,14 @@ def test_targets_compare_relf_with_the_positional_unigram_reference():
 
 
 def test_positional_unigram_samples_follow_each_positions_frequencies(monkeypatch):
-    from experiments import bench_relf
     from relf_jax.data import sources
+    from relf_jax.eval.baselines import positional_unigram_samples
     from relf_jax.serving.engines import ByteTokenizer
 
     docs = ["ab"] * 3 + ["cd"]
     monkeypatch.setattr(sources, "iter_texts", lambda builder, split: iter(docs))
     tok = ByteTokenizer()
-    s = bench_relf.positional_unigram_samples(None, tok, 2000, 6)
+    s = positional_unigram_samples(None, tok, 2000, 6)
     # rows BOS x y EOS pad pad: each position independent, 'a'/'c' at 3:1, 'b'/'d' at 3:1
     counts = {}
     for text in s.texts:
@@ -103,7 +104,7 @@ def test_targets_compare_clean_prompts_with_renoised_ones():
 
 
 def test_ar_replies_are_cut_at_the_end_of_their_turn():
-    from experiments.bench_relf import _cut_turns
+    from experiments.bench.relf_rows import cut_turns
     from relf_jax.serving.engines import ByteTokenizer
     from relf_jax.workflows import Samples
 
@@ -112,9 +113,9 @@ def test_ar_replies_are_cut_at_the_end_of_their_turn():
     bodies = [tok.encode("hi there") + [user] + tok.encode("more"), tok.encode("no end"), tok.encode("done")]
     s = Samples(texts=[tok.decode(b) for b in bodies], token_ids=bodies, complete=[False, False, True],
                 seconds=1.0, tokens=30)
-    cut = _cut_turns(s, tok)
+    cut = cut_turns(s, tok)
     assert cut.texts == ["hi there", "no end", "done"] and cut.complete == [True, False, True]
-    assert _cut_turns(s) is s  # ReLF prompted samples come cut already
+    assert cut_turns(s) is s  # ReLF prompted samples come cut already
 
 
 def test_reflow_targets_for_an_extension_use_its_own_rows_and_the_nearest_entropy():
@@ -177,7 +178,8 @@ def test_reflow_is_compared_with_its_no_pairs_control_and_a_reflow_only_run_has_
 def test_core_part_runs_alone():
     import pytest
 
-    from experiments.bench_relf import CORE_VARIANTS, bench_relf
+    from experiments.bench.relf import bench_relf
+    from experiments.bench.relf_core import CORE_VARIANTS
     from relf_jax.errors import UserError
 
     with pytest.raises(UserError, match="core alone"):

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments.bench_relf_toy import (
+from experiments.bench.relf_toy import (
     BOS,
     EOS,
     FIRST_WORD,
@@ -15,10 +15,10 @@ from experiments.bench_relf_toy import (
     bench_relf_toy,
     candidate_rows,
     distinct_share,
-    exact_residual,
     sample_entropy,
     valid_share,
 )
+from relf_jax.flow.exact import exact_residual
 
 
 def test_candidate_rows_batches_and_valid_share():

@@ -34,11 +34,11 @@ import hashlib
 import json
 import os
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from experiments.bench import _ensure_target_and_draft, _write_json, draft_steps
+from experiments.bench.common import draft_steps, ensure_target_and_draft, write_json
 
 VARIANTS = ("a_distilled", "b_online_distill", "c_rcsd")
 MAIN_VARIANTS = (*VARIANTS, "c_rcsd_beta1")
@@ -97,14 +97,14 @@ def _run_variant(target, draft, run_dir: str, variant: str, settings, batches, e
     return serving, final
 
 
-def bench_rcsd(out: str, quick: bool = False, workdir: Optional[str] = None, overrides: Sequence[str] = ()) -> dict:
+def bench_rcsd(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = ()) -> dict:
     from relf_jax import workflows
     from relf_jax.speculative.continual import ContinualSettings
 
     preset = "tiny" if quick else "cpu"
     sizes = QUICK if quick else RCSDBenchSizes()
     workdir = workdir or os.path.join("runs", f"bench_spec_{preset}")  # shares models with `bench spec`
-    cfg, target, draft = _ensure_target_and_draft(preset, workdir, overrides)
+    cfg, target, draft = ensure_target_and_draft(preset, workdir, overrides)
     grammar = workflows.exact_judge(cfg).grammar
     tok = target.tokenizer
     base = ContinualSettings(steps_per_cycle=sizes.steps_per_cycle, batch_size=sizes.batch_size, serve_batch=8,
@@ -119,8 +119,8 @@ def bench_rcsd(out: str, quick: bool = False, workdir: Optional[str] = None, ove
 
     def save():
         report["wall_s"] = time.perf_counter() - t0
-        report["summary"] = _summary(report)
-        _write_json(out, report)
+        report["summary"] = summary(report)
+        write_json(out, report)
 
     # ---------------------------------------------------------------- main scenario
     eval_ids = _prompt_ids(grammar, tok, sizes.eval_prompts, seed=777_000)
@@ -177,7 +177,7 @@ def bench_rcsd(out: str, quick: bool = False, workdir: Optional[str] = None, ove
     return report
 
 
-def _summary(report: dict) -> dict:
+def summary(report: dict) -> dict:
     """Mean and spread of tau per variant, ratios to (a), and the shift recovery."""
     out = {}
     by = {}

@@ -30,7 +30,7 @@ valid 1.0 and distinct 1 / words; ``distinct_rows`` is the count, ``distinct_val
 the distinct data rows among them), the
 entropy of the sampled rows' empirical distribution (``sample_entropy``, nats; the data's is
 log(words)), and the CE of the posterior at the word positions at a few times t.
-Measured (`benchmarks/relf_toy_cpu.json`, README's ReLF section): at 600 steps the shipped
+Measured (`benchmarks/relf_toy/cpu_variants.json`, docs/relf.md): at 600 steps the shipped
 parametrisation returns no sample that is a data row (its posterior is the positional prior's);
 the network without singular logits returns only data rows; the auxiliary head recovers part
 of the gap, and per-position times add a little on top of it (not alone); the blind-spot
@@ -48,8 +48,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench import _write_json
+from experiments.bench.common import write_json
 from relf_jax.config import make_config
+from relf_jax.flow.exact import exact_residual
 
 PAD, EOS, BOS, FIRST_WORD = 0, 1, 2, 3
 
@@ -108,22 +109,6 @@ class ToyBatches:
 
     def set_state(self, state: dict) -> None:
         self.i = int(state["i"])
-
-
-def exact_residual(rows: np.ndarray, table: jax.Array):
-    """residual_fn(z, t, sc) whose posterior (with the singular logits, no bound) is the exact one."""
-    from relf_jax.flow.singular import singular_logits
-
-    cand = jnp.asarray(rows[:, :-1])
-    e = table[cand]  # [M, L, d]
-    onehot = jax.nn.one_hot(cand, table.shape[0], dtype=jnp.float32)  # [M, L, V]
-
-    def residual(z, t, sc, *unused):
-        tt = t[:, None, None, None]
-        ll = -((z[:, None] - tt * e[None]) ** 2).sum((-1, -2)) / (2.0 * (1.0 - t[:, None]) ** 2)
-        p = jnp.einsum("bm,mlv->blv", jax.nn.softmax(ll, -1), onehot)
-        return jnp.log(jnp.maximum(p, 1e-30)) - singular_logits(z, t, table)
-    return residual
 
 
 def valid_share(samples: np.ndarray, rows: np.ndarray) -> float:
@@ -261,8 +246,8 @@ def bench_relf_toy(out: str, quick: bool = False, workdir: str | None = None, ov
                   f"distinct {row['distinct_share']:.3f}  entropy {row['sample_entropy']:.2f} / "
                   f"{row['data_entropy']:.2f}  word CE at t={list(ce)}: {[round(v, 2) for v in ce.values()]}",
                   flush=True)
-            _write_json(out, {**result, "complete": False})
+            write_json(out, {**result, "complete": False})
     result["wall_s"] = time.perf_counter() - t0
-    _write_json(out, {**result, "complete": True})
+    write_json(out, {**result, "complete": True})
     return result
 

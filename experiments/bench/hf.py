@@ -26,11 +26,11 @@ import json
 import os
 import tempfile
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from experiments.bench import _ensure_target_and_draft, _write_json, held_out_prompts
+from experiments.bench.common import ensure_target_and_draft, held_out_prompts, write_json
 
 
 def _timed(fn, reps: int) -> float:
@@ -155,7 +155,7 @@ def _hf_train(model, batch: np.ndarray, train_cfg):
     return run
 
 
-def bench_hf(out: str, quick: bool = False, workdir: Optional[str] = None, overrides: Sequence[str] = ()) -> dict:
+def bench_hf(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = ()) -> dict:
     import jax
     import torch
     from flax import nnx
@@ -168,7 +168,7 @@ def bench_hf(out: str, quick: bool = False, workdir: Optional[str] = None, overr
 
     preset = "tiny" if quick else "cpu"
     workdir = workdir or os.path.join("runs", f"bench_spec_{preset}")  # shares models with `bench spec`
-    cfg, lm, draft = _ensure_target_and_draft(preset, workdir, overrides)
+    cfg, lm, draft = ensure_target_and_draft(preset, workdir, overrides)
     new, reps, k = (16, 2, 4) if quick else (64, 5, 4)
     prompts = held_out_prompts(cfg, 64)
     rows = []
@@ -236,6 +236,6 @@ def bench_hf(out: str, quick: bool = False, workdir: Optional[str] = None, overr
               "versions": {"jax": jax.__version__, "torch": torch.__version__,
                            "transformers": transformers.__version__},
               "wall_s": time.perf_counter() - t_start}
-    _write_json(out, report)
+    write_json(out, report)
     print(json.dumps({r["task"] + f"@b{r['batch']}": round(r["ratio"], 2) for r in rows}, indent=2))
     return report

@@ -39,12 +39,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from experiments.bench_relf import (
-    AR_TEMPERATURES,
-    QUICK_AR_TEMPERATURES,
-    ar_ppl_at_entropy,
-)
+from experiments.bench.common import text_tokens_per_step
+from experiments.bench.relf_variants import AR_TEMPERATURES, QUICK_AR_TEMPERATURES
 from relf_jax.config import make_config
+from relf_jax.eval.baselines import ar_ppl_at_entropy
 
 BUDGETS = (600, 1200)
 BD_TEMPERATURES = (0.9, 1.0)
@@ -52,20 +50,6 @@ QUICK_BD_TEMPERATURES = (1.0,)
 # lower thresholds at T = 1: what committing several positions per step costs on this corpus
 LOWER_THRESHOLDS = (0.7, 0.5)
 TARGET_RATIO, TARGET_TOKENS_PER_STEP, TARGET_THRESHOLD = 1.5, 1.5, 0.95
-
-
-def text_tokens_per_step(cfg, builder, tok, rows: str, align: int, batches: int = 20) -> float:
-    """Mean non-pad tokens in the loss of one training batch under a row layout."""
-    from relf_jax.data import pipeline
-
-    it = pipeline.make_iterator(builder, "train", tok, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
-                                seed=cfg.train.seed, rows=rows, align=align)
-    total = 0
-    for _ in range(batches):
-        x = next(it)
-        t, s = x["tokens"][:, :-1], x["segment_ids"][:, :-1]
-        total += int(((t != tok.pad_id) & (s != 0)).sum())
-    return total / batches
 
 
 def bench_bd(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),
@@ -136,10 +120,10 @@ def bench_bd(out: str, quick: bool = False, workdir: str | None = None, override
             builder = workflows.prepare_data(cfg)
             tok = workflows.prepare_tokenizer(cfg, builder)
             bd_cfg = make_config(preset, [*overrides, "model=bd"], workdir=wd)
-            layout = {"ar": text_tokens_per_step(cfg, builder, tok, workflows.row_mode(cfg), 1),
+            layout = {"ar": text_tokens_per_step(cfg, builder, tok, workflows.row_mode(cfg), 1, batches=20),
                       "bd": text_tokens_per_step(bd_cfg, builder, tok, workflows.row_mode(bd_cfg),
-                                                 bd_cfg.model.block_size),
-                      "bd_documents": text_tokens_per_step(bd_cfg, builder, tok, "documents", 1)}
+                                                 bd_cfg.model.block_size, batches=20),
+                      "bd_documents": text_tokens_per_step(bd_cfg, builder, tok, "documents", 1, batches=20)}
         ar_lm = None
         for t in ar_temps:
             key = {"method": f"ar T={t:g}", "variant": "ar", "train_steps": steps, "temperature": t}

@@ -1,0 +1,89 @@
+"""What several benches share: the JSON writer, finding a row, the target + draft pair of the
+speculative benches, held-out prompts, reply quality under the exact judge, and the text tokens a
+training step sees."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from relf_jax.config import make_config
+
+# the repository root: the working directory of the subprocesses benches start (`python -m experiments...`)
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def write_json(path: str, obj) -> None:
+    """Write `obj` to `path` atomically (a temporary file, then a rename): an interrupted write
+    leaves the previous report whole, never a torn one."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
+
+
+def find_row(rows, **kw):
+    """The first row whose values equal every keyword's, else None."""
+    for r in rows:
+        if all(r.get(k) == v for k, v in kw.items()):
+            return r
+    return None
+
+
+def draft_steps(cfg) -> int:
+    """The distillation steps of the demo's draft: half the target's."""
+    return max(1, cfg.train.steps // 2)
+
+
+def ensure_target_and_draft(preset: str, workdir: str, overrides: Sequence[str] = ()):
+    """(config, target, draft): trained in `workdir` (or resumed / reused), the draft distilled
+    for `draft_steps` as the demo does."""
+    from relf_jax import workflows  # the data stack; `bench verify` runs without it
+    cfg = make_config(preset, list(overrides), workdir=workdir)
+    workflows.train_lm(cfg)
+    lm = workflows.load_model(workdir, "ar")
+    workflows.train_draft(workdir, [f"train.steps={draft_steps(cfg)}"])
+    draft = workflows.load_model(os.path.join(workdir, "draft"), "ar")
+    return cfg, lm, draft
+
+
+def held_out_prompts(cfg, n: int, seed: int = 12345) -> list[str]:
+    """First user turns (ending with ``<assistant>``) of fresh grammar conversations."""
+    from relf_jax import workflows
+    judge = workflows.exact_judge(cfg)
+    return [info["prompt"] for info in judge.grammar.sample_with_info(n, seed)]
+
+
+def reply_quality(judge, prompts: Sequence[str], texts: Sequence[str], complete: Sequence[bool] | None = None) -> dict:
+    """Gen PPL of the replies given their prompts under the exact judge (reply words; a reply not
+    `complete` is scored as a prefix: it may end where the next turn begins), mean unigram entropy
+    of the replies' words, their mean length in words and their number."""
+    from relf_jax.eval.metrics import mean_unigram_entropy
+
+    texts = list(texts)
+    complete = [False] * len(texts) if complete is None else list(complete)
+    logp, n = judge.score_replies(list(prompts), texts, complete)
+    return {"gen_ppl": float(math.exp(-logp.sum() / max(n.sum(), 1))),
+            "entropy": mean_unigram_entropy([judge.tokenize(t) for t in texts]),
+            "reply_words": float(np.mean([len(t.split()) for t in texts])), "replies": len(texts)}
+
+
+def text_tokens_per_step(cfg, builder, tok, rows: str, align: int = 1, batches: int = 50) -> float:
+    """Mean text tokens (non-pad, in a segment) in the loss of one training batch of `cfg` under a
+    row layout, over `batches` batches: what "the same budget" spends on text (AR's packed rows:
+    all of batch x seq_len)."""
+    from relf_jax.data import pipeline
+
+    it = pipeline.make_iterator(builder, "train", tok, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
+                                seed=cfg.train.seed, rows=rows, align=align)
+    total = 0
+    for _ in range(batches):
+        x = next(it)
+        t, s = x["tokens"][:, :-1], x["segment_ids"][:, :-1]
+        total += int(((t != tok.pad_id) & (s != 0)).sum())
+    return total / batches

@@ -1,0 +1,27 @@
+"""What `relf-jax bench relf` compares: the AR sweep, the samplers, ablations, extensions, the
+reflow control and the core comparison's variants (config overrides)."""
+
+AR_TEMPERATURES = (0.6, 0.7, 0.8, 0.9, 1.0, 1.1)
+QUICK_AR_TEMPERATURES = (0.7, 0.85, 1.0)
+EULER_NFES = (8, 16, 32)
+GUIDANCE = (1.0, 1.3, 1.7, 2.5)
+PROMPT_TRAINING = ["flow.prompt_prob=0.5"]
+ABLATIONS = {"no_singular": ["flow.use_singular=false"], "gaussian_embeddings": ["flow.embeddings=gaussian"],
+             "mse_loss": ["flow.loss=mse"]}
+# our extensions to the paper's training, trained at the full budget, against the plain ReLF rows
+EXTENSIONS = {"aux_head": ["flow.aux_weight=1"], "per_position_t": ["flow.per_position_t=0.5"],
+              "aux_head_per_position_t": ["flow.aux_weight=1", "flow.per_position_t=0.5"],
+              "plain": ["flow.blind_spot=false"]}
+# extensions that also get two reflow rounds (and the 8 / 16 / 32-NFE Euler rows before and after);
+# since issue 35 the "relf" rows are the context-reading default and "plain" is the paper's network
+REFLOW_EXTENSIONS = ("plain",)
+
+
+PARTS = ("models", "reflow", "latency", "core")
+# the no-pairs control of a reflow study: the same rounds, schedule and batches, data loss only
+NO_PAIRS = {"pair_weight": 0.0, "data_weight": 1.0}
+
+# the paper's plain parametrisation, the ablation row of the core comparison
+PLAIN = ["flow.blind_spot=false"]
+# the ReLF models of the core comparison: the default, and variants (overrides) against it
+CORE_VARIANTS = {"relf": [], "plain": PLAIN, "whiten": ["flow.embed_whiten=true"]}

@@ -1,0 +1,104 @@
+"""`relf-jax bench spec`: AR vs speculative decoding (standard / NSD / greedy rules, draft-model,
+prompt-lookup and corpus n-gram proposers) at batch 1 and 8, temperature 1.0 and 0.7: tokens/s, tau
+(tokens per target forward) and, for quality, gen PPL (exact judge, replies scored given their
+prompts) and entropy; plus the target's forward cost over K + 1 tokens relative to one token
+(`target_forward_cost`), which decides whether speculation can pay on this hardware.
+
+Every row of a benchmark is measured in the same process, one after the other, on the same
+prompts, so ratios between rows are meaningful on a noisy machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Sequence
+
+from experiments.bench.common import ensure_target_and_draft, find_row, held_out_prompts, reply_quality, write_json
+from relf_jax.config import SpeculativeConfig
+from relf_jax.speculative.cost import forward_costs
+
+
+def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = ()) -> dict:
+    from relf_jax import workflows
+
+    preset = "tiny" if quick else "cpu"
+    workdir = workdir or os.path.join("runs", f"bench_spec_{preset}")
+    cfg, lm, draft = ensure_target_and_draft(preset, workdir, overrides)
+    judge = workflows.exact_judge(cfg)
+    max_new = 32 if quick else 64
+    n_prompts = 8 if quick else 16
+    prompts = held_out_prompts(cfg, n_prompts)
+    k = 4
+    variants = [("ar", "none", "-", None)]
+    for proposer in ("draft", "prompt_lookup", "corpus_ngram"):
+        variants += [("speculative", "standard", proposer, None), ("speculative", "greedy", proposer, None)]
+        for nsd in ((0.8, 0.9, 0.95) if proposer == "draft" else (0.9,)):
+            variants.append(("speculative", "nsd", proposer, nsd))
+    rows = []
+    t0 = time.perf_counter()
+    for batch in (1, 8):
+        for temperature in (1.0, 0.7):
+            sc = dataclasses.replace(cfg.sample, batch_size=batch, max_new_tokens=max_new, temperature=temperature,
+                                     top_k=0, top_p=1.0, seed=0)
+            for method, rule, proposer, nsd in variants:
+                spc = SpeculativeConfig(rule=rule, k=k, proposer=proposer if proposer != "-" else "draft",
+                                        nsd_top_p=nsd or 0.9)
+                s = workflows.sample(lm, prompts=prompts, sample_cfg=sc, speculative=spc,
+                                     draft=draft if proposer == "draft" else None)
+                q = reply_quality(judge, prompts, s.texts, s.complete)
+                q = {"gen_ppl": q["gen_ppl"], "entropy": q["entropy"]}
+                row = {"method": method if rule == "none" else f"{rule}" + (f"@{nsd}" if nsd else ""),
+                       "rule": rule, "proposer": proposer, "nsd_top_p": nsd, "temperature": temperature,
+                       "batch": batch, "k": k if rule != "none" else None, "tokens_per_s": s.tokens_per_s,
+                       "tau": s.tau, **q}
+                rows.append(row)
+                print(f"[bench spec] b={batch} T={temperature} {row['method']:>12} {proposer:>13}: "
+                      f"{s.tokens_per_s:8.1f} tok/s  tau {s.tau:4.2f}  gen PPL {q['gen_ppl']:7.2f}  "
+                      f"entropy {q['entropy']:.2f}", flush=True)
+    report = {"rows": rows, "ratios": _spec_ratios(rows), "preset": preset, "k": k, "max_new_tokens": max_new,
+              "num_prompts": n_prompts, "wall_s": time.perf_counter() - t0,
+              "draft_cost_ratio": _cost_ratio(lm, draft),
+              # verification cost: K + 1 tokens in one target forward vs one token
+              "target_forward_cost": forward_costs(lm, k)}
+    write_json(out, report)
+    print(json.dumps(report["ratios"], indent=2))
+    return report
+
+
+def _spec_ratios(rows) -> dict:
+    out = {}
+    for batch in (1, 8):
+        for temperature in (1.0, 0.7):
+            base = dict(batch=batch, temperature=temperature)
+            ar_row = find_row(rows, rule="none", **base)
+            std = find_row(rows, rule="standard", proposer="draft", **base)
+            nsd = find_row(rows, rule="nsd", proposer="draft", nsd_top_p=0.9, **base)
+            key = f"b{batch}_T{temperature}"
+            ngram = {}
+            for rule in ("standard", "nsd"):
+                r = find_row(rows, rule=rule, proposer="corpus_ngram", **base)
+                if r is not None:
+                    ngram[f"ngram_{rule}_over_ar_tokens_per_s"] = r["tokens_per_s"] / ar_row["tokens_per_s"]
+                    ngram[f"ngram_{rule}_gen_ppl_over_ar"] = r["gen_ppl"] / ar_row["gen_ppl"]
+            out[key] = {**ngram,
+                "standard_over_ar_tokens_per_s": std["tokens_per_s"] / ar_row["tokens_per_s"],
+                "nsd0.9_over_standard_tau": nsd["tau"] / std["tau"],
+                "nsd0.9_over_standard_tokens_per_s": nsd["tokens_per_s"] / std["tokens_per_s"],
+                "nsd0.9_over_ar_tokens_per_s": nsd["tokens_per_s"] / ar_row["tokens_per_s"],
+                "nsd0.9_gen_ppl_over_ar": nsd["gen_ppl"] / ar_row["gen_ppl"],
+                "nsd0.9_entropy_over_ar": nsd["entropy"] / ar_row["entropy"],
+            }
+    return out
+
+
+def _cost_ratio(lm, draft) -> float:
+    """Target / draft parameter count (excluding embeddings): how much cheaper a draft step is."""
+    import jax
+
+    def count(m):
+        return sum(x.size for x in jax.tree.leaves(m.params)) - m.model_cfg.vocab_size * m.model_cfg.d_model
+
+    return count(lm) / max(count(draft), 1)

@@ -1,0 +1,47 @@
+"""Baselines a generator is read against: the positional-unigram reference (no model at all) and
+the AR quality curve at a matched entropy."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def positional_unigram_rows(builder, tok, n: int, length: int, *, docs: int = 5000, seed: int = 0) -> np.ndarray:
+    """[n, length] token ids, each position drawn independently from the token frequencies at that
+    position in (up to `docs`) training documents laid out as ReLF's training rows (BOS, the
+    conversation, EOS, then pad)."""
+    from relf_jax.data import sources
+
+    counts = np.zeros((length, tok.vocab_size), np.float64)
+    cols = np.arange(length)
+    for text in itertools.islice(sources.iter_texts(builder, "train"), docs):
+        ids = ([tok.bos_id] + tok.encode(text) + [tok.eos_id] + [tok.pad_id] * length)[:length]
+        counts[cols, ids] += 1
+    cdf = np.cumsum(counts / counts.sum(1, keepdims=True), axis=1)
+    u = np.random.default_rng(seed).random((n, length, 1))
+    return np.minimum((u > cdf[None]).sum(-1), tok.vocab_size - 1)
+
+
+def positional_unigram_samples(builder, tok, n: int, length: int, *, docs: int = 5000, seed: int = 0):
+    """`positional_unigram_rows` decoded like ReLF samples (`Samples`). A whole-sequence model
+    whose samples score no better has learned nothing beyond per-position statistics."""
+    from relf_jax.workflows import samples_from_rows
+
+    return samples_from_rows(tok, positional_unigram_rows(builder, tok, n, length, docs=docs, seed=seed))
+
+
+def ar_ppl_at_entropy(ar_rows: Sequence[dict], entropy: float) -> tuple[float, float]:
+    """AR gen PPL at `entropy` by linear interpolation of log gen PPL over the AR sweep (rows with
+    ``entropy`` and ``gen_ppl``), and the distance (nats) from `entropy` to the nearest AR point
+    (0 inside the swept range)."""
+    pts = sorted((r["entropy"], math.log(r["gen_ppl"])) for r in ar_rows if r["gen_ppl"])
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    if entropy <= xs[0]:
+        return math.exp(ys[0]), xs[0] - entropy
+    if entropy >= xs[-1]:
+        return math.exp(ys[-1]), entropy - xs[-1]
+    return math.exp(float(np.interp(entropy, xs, ys))), 0.0
