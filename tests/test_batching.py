@@ -103,39 +103,57 @@ def test_sjf_admits_the_cheapest_first_and_the_queue_is_bounded():
     b = Batcher(eng, SJF(key="cost"), max_queue=3).start()
     order = []
     lock = threading.Lock()
+    all_done = threading.Event()
 
     def sink_for(name):
         def sink(ev):
             if ev.finish_reason is not None:
                 with lock:
                     order.append(name)
+                    if len(order) == 4:
+                        all_done.set()
         return sink
 
-    b.submit(_req("x" * 20, predicted={"cost": 0.0}), sink_for("running"))
-    time.sleep(0.05)  # the first one holds the only slot
+    started, running = threading.Event(), sink_for("running")
+
+    def first(ev):
+        started.set()
+        running(ev)
+
+    b.submit(_req("x" * 20, predicted={"cost": 0.0}), first)
+    assert started.wait(timeout=10)  # its first token: it holds the only slot
     for name, cost in (("big", 9.0), ("small", 1.0), ("mid", 5.0)):
         b.submit(_req(name, predicted={"cost": cost}), sink_for(name))
     with pytest.raises(QueueFull):
         b.submit(_req("one too many", predicted={"cost": 0.0}), sink_for("x"))
-    deadline = time.monotonic() + 10
-    while len(order) < 4 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert all_done.wait(timeout=30), order
     assert order == ["running", "small", "mid", "big"]
     b.stop()
 
 
+class CountingMock(MockEngine):
+    """The mock engine, counting its steps (a clock for the batcher that does not depend on load)."""
+
+    steps = 0
+
+    def generate(self, state):
+        self.steps += 1
+        return super().generate(state)
+
+
 def test_cancel_frees_the_slot_at_once():
-    eng = MockEngine(1, step_s=0.02)
+    eng = CountingMock(1, step_s=0.02)
     b = Batcher(eng).start()
     long = Collect()
-    rid = b.submit(_req("y" * 200, max_tokens=250), long)  # ~4 s of steps
+    rid = b.submit(_req("y" * 200, max_tokens=250), long)  # 201 steps
     long.events.get(timeout=5)  # it is running
     b.cancel(rid)
-    t0 = time.monotonic()
+    at_cancel = eng.steps
     short = Collect()
     b.submit(_req("hi"), short)
-    text, _ev = short.result(timeout=5)
-    assert text == "hi" and time.monotonic() - t0 < 1.0
+    text, _ev = short.result(timeout=30)
+    # "hi" and its EOS take 2 steps; a slot held until the long reply's end would take ~200 more
+    assert text == "hi" and eng.steps - at_cancel <= 10, eng.steps - at_cancel
     assert long.result()[1].finish_reason == "cancelled"
     b.stop()
 
