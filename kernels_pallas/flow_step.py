@@ -9,8 +9,8 @@ Per position (methods.md section 1), with om = max(1 - t, t_eps):
     x1_hat  = sum_w p_w E_w
     z_next  = z + (t_next - t) (x1_hat - z) / om
 
-all in float32 -- the semantics of `relf_jax.flow.singular.flow_step`, mirrored operation for
-operation by `ref_flow_step` (kernels import no relf_jax; a test checks the two agree bit for bit).
+all in float32. `ref_flow_step` is the one reference of this step (the samplers' CPU path, through
+`kernels_pallas.dispatch`); it composes relf_jax.flow.singular's formulas operation for operation.
 
 Kernel layout (flash-attention style): the B*L positions are flattened into rows; a grid over
 tiles of `block_rows` rows; each program loops over the vocabulary in tiles of `block_v` with an
@@ -121,13 +121,15 @@ def _bounded(f: jax.Array, c: float | None) -> jax.Array:
     return f if c is None else c * jnp.tanh(f / c)
 
 
-def ref_flow_step(z: jax.Array, residual_logits: jax.Array, embeddings: jax.Array, t, t_next, *,
+def ref_flow_step(z: jax.Array, residual_logits: jax.Array | None, embeddings: jax.Array, t, t_next, *,
                   c: float | None, t_eps: float = DEFAULT_T_EPS, use_singular: bool = True
                   ) -> tuple[jax.Array, jax.Array]:
-    """Plain jnp; mirrors relf_jax.flow.singular.flow_step operation for operation.
+    """The one plain-jnp flow step: relf_jax.flow.singular's posterior_logits -> softmax ->
+    posterior_mean -> Euler update, operation for operation (kernels import no relf_jax).
 
-    z [B, L, d], residual_logits [B, L, V] (any float dtype, cast to float32), embeddings [V, d],
-    t / t_next scalar, [B] or [B, L]. Returns (z_next [B, L, d], x1_hat [B, L, d]) float32.
+    z [B, L, d], residual_logits [B, L, V] (any float dtype, cast to float32) or None (no
+    residual), embeddings [V, d], t / t_next scalar, [B] or [B, L].
+    Returns (z_next [B, L, d], x1_hat [B, L, d]) float32.
     """
     z = jnp.asarray(z, jnp.float32)
     e = jnp.asarray(embeddings, jnp.float32)
@@ -138,7 +140,10 @@ def ref_flow_step(z: jax.Array, residual_logits: jax.Array, embeddings: jax.Arra
         logits = (tt * inner - 0.5 * tt * tt * sq_norm) / _one_minus_t(tt, t_eps) ** 2
     else:
         logits = jnp.zeros(z.shape[:-1] + (e.shape[0],), jnp.float32)
-    logits = logits + _bounded(jnp.asarray(residual_logits, jnp.float32), c)
+    if residual_logits is not None:
+        if c is not None and not c > 0:
+            raise ValueError(f"residual bound c must be positive, got {c}")
+        logits = logits + _bounded(jnp.asarray(residual_logits, jnp.float32), c)
     probs = jax.nn.softmax(logits, axis=-1)
     x1_hat = jnp.einsum("...v,vd->...d", probs, e, precision=_HIGHEST)
     dt = _time(t_next, z.ndim) - tt

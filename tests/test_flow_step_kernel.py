@@ -1,4 +1,4 @@
-"""Pallas flow-step kernel vs its plain-jnp reference (and the reference vs relf_jax's flow_step).
+"""Pallas flow-step kernel vs its plain-jnp reference (and the reference vs relf_jax.flow.singular's formulas).
 
 Tolerance. The kernel and the reference evaluate the same float32 formulas; they differ only in
 the summation order of the two matmuls and of the softmax normaliser (online, per vocabulary
@@ -131,14 +131,24 @@ class TestFlowStepKernelInterpret(TestFlowStepKernel):
     INTERPRET = True
 
 
-@pytest.mark.parametrize("c,use_singular", [(4.0, True), (None, True), (2.0, False)])
-def test_reference_mirrors_relf_flow_step(c, use_singular):
-    """ref_flow_step == relf_jax.flow.singular.flow_step, bit for bit."""
+@pytest.mark.parametrize("c,use_singular", [(4.0, True), (None, True), (2.0, False), (3.0, None)])
+def test_reference_composes_relf_flow_formulas(c, use_singular):
+    """ref_flow_step == singular.posterior_logits -> softmax -> posterior_mean -> velocity, bit for
+    bit (use_singular None here: no residual at all)."""
     from relf_jax.flow import singular
 
+    def composed(z, t, t_next, f, e, *, c, use_singular):
+        logits = singular.posterior_logits(z, t, e, f, c=c, use_singular=use_singular)
+        x1_hat = singular.posterior_mean(jax.nn.softmax(logits, axis=-1), e)
+        t_col, t_next_col = t[:, None, None], t_next[:, None, None]
+        return z + (t_next_col - t_col) * singular.velocity(z, t, x1_hat), x1_hat
+
+    no_residual = use_singular is None
+    use_singular = True if no_residual else use_singular
     for seed, (t, t_next) in enumerate([([0.1, 0.6], [0.2, 0.7]), ([0.99, 0.9999], [1.0, 1.0])]):
         z, f, e, t, t_next = _problem(seed, jnp.float32, t, t_next)
-        want = jax.jit(singular.flow_step, static_argnames=("c", "use_singular"))(
+        f = None if no_residual else f
+        want = jax.jit(composed, static_argnames=("c", "use_singular"))(
             z, t, t_next, f, e, c=c, use_singular=use_singular)
         got = _ref(z, f, e, t, t_next, c=c, use_singular=use_singular)
         for g, w in zip(got, want):
@@ -147,7 +157,7 @@ def test_reference_mirrors_relf_flow_step(c, use_singular):
 
 def test_sampler_dispatch_kernel_equals_reference():
     """The samplers' entry point gives the same step through the kernel (interpreted here)."""
-    from relf_jax.flow.step import fused_flow_step
+    from relf_jax.flow.step import flow_step
 
     key = jax.random.key(0)
     k1, k2, k3 = jax.random.split(key, 3)
@@ -155,8 +165,8 @@ def test_sampler_dispatch_kernel_equals_reference():
     f = jax.random.normal(k2, (2, 3, 19))
     emb = jax.random.normal(k3, (19, 4))
     t, t_next = jnp.asarray([0.3, 0.7]), jnp.asarray([0.4, 0.8])
-    ref = fused_flow_step(z, t, t_next, f, emb, c=5.0, use_kernel=False)
-    ker = fused_flow_step(z, t, t_next, f, emb, c=5.0, use_kernel=True)
+    ref = flow_step(z, t, t_next, f, emb, c=5.0, use_kernel=False)
+    ker = flow_step(z, t, t_next, f, emb, c=5.0, use_kernel=True)
     for a, b in zip(ref, ker):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
@@ -169,8 +179,8 @@ def test_default_relf_samples_alike_through_the_kernel_and_the_reference(monkeyp
 
     from flax import nnx
 
+    from kernels_pallas import dispatch
     from relf_jax.config import make_config
-    from relf_jax.flow import step as flow_step_mod
     from relf_jax.flow.samplers import FlowSamplerSettings, sample
     from relf_jax.models import build_model
     from relf_jax.workflows import segment_residual
@@ -184,7 +194,7 @@ def test_default_relf_samples_alike_through_the_kernel_and_the_reference(monkeyp
     residual = segment_residual(lambda *a: nnx.merge(g, p)(*a), seg)
     out = {}
     for kernel in (False, True):
-        monkeypatch.setattr(flow_step_mod, "use_flow_kernel", lambda k=kernel: k)
+        monkeypatch.setattr(dispatch, "runs_kernel", lambda name, override=None, k=kernel: k)
         st = FlowSamplerSettings(nfe=4, sampler="stochastic", c=5.0, guidance=1.7, renoise="marginal")
         out[kernel] = sample(jax.random.key(2), residual, e, st, batch=2, length=7)
     np.testing.assert_array_equal(np.asarray(out[False][0]), np.asarray(out[True][0]))

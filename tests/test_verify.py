@@ -326,18 +326,20 @@ def test_validation_errors():
 
 
 def test_dispatch(monkeypatch):
-    monkeypatch.delenv(verify_module.FORCE_REFERENCE_ENV, raising=False)
+    from kernels_pallas import dispatch
+
+    monkeypatch.delenv(dispatch.FORCE_REFERENCE_ENV, raising=False)
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert not verify_module.use_kernel_for(None, 0)  # CPU -> reference
+    assert not dispatch.runs_verify_kernel(None, 0)  # CPU -> reference
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert not verify_module.use_kernel_for(None, 0)  # GPU -> reference: the kernel is slower there (measured)
-    assert verify_module.use_kernel_for(True, 0) and not verify_module.use_kernel_for(False, 0)
+    assert not dispatch.runs_verify_kernel(None, 0)  # GPU -> reference: the kernel is slower there (measured)
+    assert dispatch.runs_verify_kernel(True, 0) and not dispatch.runs_verify_kernel(False, 0)
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert verify_module.use_kernel_for(None, 0)
-    assert not verify_module.use_kernel_for(None, 5)  # the kernel has no top-k
-    monkeypatch.setenv(verify_module.FORCE_REFERENCE_ENV, "1")
-    assert not verify_module.use_kernel_for(None, 0)
-    assert verify_module.use_kernel_for(True, 0)
+    assert dispatch.runs_verify_kernel(None, 0)
+    assert not dispatch.runs_verify_kernel(None, 5)  # the kernel has no top-k
+    monkeypatch.setenv(dispatch.FORCE_REFERENCE_ENV, "1")
+    assert not dispatch.runs_verify_kernel(None, 0)
+    assert dispatch.runs_verify_kernel(True, 0)
 
 
 def test_sparse_candidates_decide_exactly_like_their_scattered_logits():

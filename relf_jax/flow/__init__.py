@@ -28,15 +28,14 @@ from relf_jax.flow.samplers import (
 from relf_jax.flow.singular import (
     DEFAULT_T_EPS,
     bounded_residual,
-    flow_step,
     interpolate,
     posterior_logits,
     posterior_mean,
-    ref_flow_step,
     singular_logits,
     straightness,
     velocity,
 )
+from relf_jax.flow.step import flow_step
 
 __all__ = [
     "DEFAULT_T_EPS",
@@ -58,7 +57,6 @@ __all__ = [
     "one_hot_projection_embeddings",
     "posterior_logits",
     "posterior_mean",
-    "ref_flow_step",
     "sample",
     "singular_logits",
     "stochastic_integrate",

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from relf_jax.flow.singular import DEFAULT_T_EPS, posterior_logits
-from relf_jax.flow.step import fused_flow_step
+from relf_jax.flow.step import flow_step
 
 ResidualFn = Callable[..., jax.Array]  # (z, t, sc) -> residual logits; (z, t, sc, known_mask) for "clean" prompts
 
@@ -248,8 +248,8 @@ def _integrate(z0, residual_fn, embeddings, ts, step_keys, *, c, guidance, use_s
             z = jnp.where(mask[..., None], x1 if clean else t * x1 + (1.0 - t) * eps_known, z)
         tb = jnp.full((batch,), t, jnp.float32)
         f = guided_residual(residual_fn, z, tb, sc, guidance, known_mask)
-        z_next, x1_hat = fused_flow_step(z, tb, jnp.full((batch,), t_to, jnp.float32), f, embeddings,
-                                         c=c, use_singular=use_singular, t_eps=t_eps)
+        z_next, x1_hat = flow_step(z, tb, jnp.full((batch,), t_to, jnp.float32), f, embeddings,
+                                   c=c, use_singular=use_singular, t_eps=t_eps)
         if known is not None:  # the known positions end the step on their path (x1 at t = 1)
             z_next = jnp.where(mask[..., None], x1 if clean else t_to * x1 + (1.0 - t_to) * eps_known, z_next)
             x1_hat = jnp.where(mask[..., None], x1, x1_hat)

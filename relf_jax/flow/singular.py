@@ -10,6 +10,7 @@ so log p(Z_t | w) up to a w-independent constant is
 softmax(s) is the exact posterior of a uniform prior over tokens; it sharpens to one-hot as
 t -> 1, so the flow ends on an embedding row. The network adds a bounded residual
 c tanh(f / c). Everything here is a free function so either term can be swapped or ablated.
+One Euler step of the flow built from these is `relf_jax.flow.step.flow_step`.
 
 Shapes: z [..., L, d] (usually [B, L, d]); t a scalar, [B] or [B, L] (broadcast over the
 trailing axes); embeddings E [V, d]; logits and probabilities [..., L, V].
@@ -102,33 +103,6 @@ def velocity(z: jax.Array, t, x1_hat: jax.Array, t_eps: float = DEFAULT_T_EPS) -
     """v [..., L, d] = (X1_hat - Z_t) / max(1 - t, t_eps)."""
     z = jnp.asarray(z, jnp.float32)
     return (jnp.asarray(x1_hat, jnp.float32) - z) / one_minus_t(_time(t, z.ndim), t_eps)
-
-
-def flow_step(
-    z: jax.Array,
-    t,
-    t_next,
-    residual_logits: jax.Array | None,
-    embeddings: jax.Array,
-    *,
-    c: float | None,
-    use_singular: bool = True,
-    t_eps: float = DEFAULT_T_EPS,
-) -> tuple[jax.Array, jax.Array]:
-    """One Euler step of the flow: returns (Z_next [..., L, d], X1_hat [..., L, d]).
-
-    logits = posterior_logits(...); p = softmax(logits); X1_hat = p E;
-    Z_next = Z + (t_next - t) (X1_hat - Z) / max(1 - t, t_eps). All float32.
-    This is the plain-jnp reference of the fused flow-step kernel (`ref_flow_step`).
-    """
-    z = jnp.asarray(z, jnp.float32)
-    logits = posterior_logits(z, t, embeddings, residual_logits, c=c, use_singular=use_singular, t_eps=t_eps)
-    x1_hat = posterior_mean(jax.nn.softmax(logits, axis=-1), embeddings)
-    dt = _time(t_next, z.ndim) - _time(t, z.ndim)
-    return z + dt * velocity(z, t, x1_hat, t_eps), x1_hat
-
-
-ref_flow_step = flow_step
 
 
 def straightness(

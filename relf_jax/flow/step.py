@@ -1,37 +1,31 @@
-"""The one flow-step entry point the samplers call: fused Pallas kernel or jnp reference.
+"""One Euler step of the ReLF flow, the step every sampler takes.
 
-Dispatch by backend, like speculative verification: GPU and TPU get the fused kernel
-(`kernels_pallas.flow_step`: singular logits + bounded residual + online softmax + posterior
-mean + Euler update in one pass, the [B, L, V] posterior never stored; measured 1.13x faster
-than the reference on an H200 at B=8, L=1024, V=32k); CPU gets the reference
-(`relf_jax.flow.singular.flow_step`); ``RELF_JAX_FORCE_REFERENCE=1`` forces the reference
-everywhere. Same results either way (tests compare them).
+posterior_logits (`relf_jax.flow.singular`) -> softmax -> posterior_mean -> Euler update, in
+float32, through `kernels_pallas.dispatch`: the fused Pallas kernel (singular logits + bounded
+residual + online softmax + posterior mean + Euler update in one pass, the [B, L, V] posterior
+never stored) where the dispatch policy runs it (GPU, TPU), the one plain-jnp reference
+(`kernels_pallas.flow_step.ref_flow_step`) elsewhere or with ``RELF_JAX_FORCE_REFERENCE=1``.
+Same results either way (tests compare them).
 """
 
 from __future__ import annotations
 
-import os
-
 import jax
 
-from kernels_pallas import flow_step as flow_kernel
-from relf_jax.flow.singular import flow_step as reference_flow_step
-
-FORCE_REFERENCE_ENV = "RELF_JAX_FORCE_REFERENCE"
+from kernels_pallas import dispatch
+from relf_jax.flow.singular import DEFAULT_T_EPS
 
 
-def use_flow_kernel() -> bool:
-    if os.environ.get(FORCE_REFERENCE_ENV, "") not in ("", "0"):
-        return False
-    return jax.default_backend() in ("gpu", "tpu")
+def flow_step(z: jax.Array, t, t_next, residual_logits: jax.Array | None, embeddings: jax.Array, *,
+              c: float | None, use_singular: bool = True, t_eps: float = DEFAULT_T_EPS,
+              use_kernel: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """One Euler step of the flow: returns (Z_next [..., L, d], X1_hat [..., L, d]) float32.
 
-
-def fused_flow_step(z, t, t_next, residual_logits, embeddings, *, c, use_singular=True, t_eps=1e-4,
-                    use_kernel: bool | None = None):
-    """(z_next, x1_hat) [B, L, d] float32 of one Euler flow step; see `singular.flow_step`."""
-    kernel = use_flow_kernel() if use_kernel is None else use_kernel
-    if kernel and residual_logits is not None:
-        return flow_kernel.flow_step(z, residual_logits, embeddings, t, t_next, c=c, t_eps=t_eps,
-                                     use_singular=use_singular, interpret=jax.default_backend() == "cpu")
-    return reference_flow_step(z, t, t_next, residual_logits, embeddings, c=c, use_singular=use_singular,
-                               t_eps=t_eps)
+    logits = posterior_logits(z, t, embeddings, residual_logits, c=c, use_singular=...);
+    p = softmax(logits); X1_hat = p E; Z_next = Z + (t_next - t) (X1_hat - Z) / max(1 - t, t_eps).
+    z [B, L, d]; t, t_next scalar, [B] or [B, L]; residual_logits [B, L, V] or None; embeddings
+    [V, d]. use_kernel: True / False force the kernel / the reference; None: the dispatch policy
+    (read at trace time).
+    """
+    return dispatch.flow_step(z, residual_logits, embeddings, t, t_next, c=c, use_singular=use_singular,
+                              t_eps=t_eps, use_kernel=use_kernel)

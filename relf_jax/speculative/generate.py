@@ -38,13 +38,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels_pallas import dispatch
 from relf_jax.config import validate_sampling
 from relf_jax.errors import UserError
 from relf_jax.models.causal_lm import init_cache
 from relf_jax.sampling import processors
 from relf_jax.speculative import ngram_draft
 from relf_jax.speculative.trace import empty_trace, record_round
-from relf_jax.speculative.verify import RULES, use_kernel_for, verify, verify_sparse
+from relf_jax.speculative.verify import RULES, verify, verify_sparse
 
 PROPOSERS = ("draft", "prompt_lookup", "corpus_ngram")
 
@@ -154,7 +155,7 @@ def _drafted_counts(draft_tokens: jax.Array, vocab: int) -> jax.Array:
 def sparse_verify(settings: SpecSettings) -> bool:
     """Whether the n-gram proposer's drafts are verified as candidates (`verify.verify_sparse`):
     wherever the reference path runs; the Pallas kernel takes vocabulary-wide draft logits."""
-    return settings.proposer == "corpus_ngram" and not use_kernel_for(settings.use_kernel, settings.top_k)
+    return settings.proposer == "corpus_ngram" and not dispatch.runs_verify_kernel(settings.use_kernel, settings.top_k)
 
 
 def _forward(graphdef, params, tokens, positions, cache, index, attend_len=None, logits_at=None):

@@ -18,25 +18,25 @@ bonus token is a sample of p_K (greedy: its argmax). Samples use an exponential 
 (argmax_v w_v / E_v, E ~ Exp(1)). At temperature 0, p and q are one-hot and the standard and
 NSD rules reduce to greedy speculative decoding.
 
-The decision logic is written once, in `kernels_pallas.verify` (`ref_verify`, plain jnp, and
-the Pallas kernel); this module draws the noise and picks the path.
+The decision logic is written once, in `kernels_pallas.verify_ref` (`ref_verify`, plain jnp,
+and its sparse-candidate twin, sharing the decisions) and the Pallas kernel that reproduces it;
+this module draws the noise and calls them through `kernels_pallas.dispatch` (which picks the
+path).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import verify as verify_kernels
+from kernels_pallas import dispatch
 from relf_jax.sampling import processors
 
-RULES = verify_kernels.RULES
-FORCE_REFERENCE_ENV = "RELF_JAX_FORCE_REFERENCE"
+RULES = dispatch.RULES
 
 
 @flax.struct.dataclass
@@ -53,18 +53,6 @@ class VerifyResult:
     num_accepted: jax.Array
     next_token: jax.Array
     accept: jax.Array
-
-
-def use_kernel_for(use_kernel: bool | None, top_k: int) -> bool:
-    """use_kernel overrides; otherwise the env switch, then the backend (CPU -> reference)."""
-    if use_kernel is not None:
-        return use_kernel
-    if os.environ.get(FORCE_REFERENCE_ENV, "") not in ("", "0"):
-        return False
-    # The kernel has no top-k filter; that setting always takes the reference path. On GPU the
-    # kernel agrees bitwise with the reference but was measured 4-40x slower (H200, V=32k:
-    # benchmarks/h200/verify.json), so GPUs use the reference until a faster kernel lands.
-    return jax.default_backend() == "tpu" and not top_k
 
 
 def verify(target_logits: jax.Array, draft_logits: jax.Array, draft_tokens: jax.Array,
@@ -85,7 +73,8 @@ def verify(target_logits: jax.Array, draft_logits: jax.Array, draft_tokens: jax.
         top_p None or a Python number >= 1 leaves the nucleus filter out at trace time (no
         sort is compiled; `processors.log_probs`).
       use_kernel: True -> Pallas kernel (interpreted on CPU), False -> reference, None ->
-        reference on CPU or when the env var RELF_JAX_FORCE_REFERENCE=1, kernel on TPU (GPU: reference, see use_kernel_for).
+        the policy of `kernels_pallas.dispatch` (reference on CPU and GPU or with
+        RELF_JAX_FORCE_REFERENCE=1, kernel on TPU).
         Read at trace time.
     Returns:
       VerifyResult(num_accepted [B], next_token [B], accept [B, K]).
@@ -97,24 +86,21 @@ def verify(target_logits: jax.Array, draft_logits: jax.Array, draft_tokens: jax.
                    use_kernel=use_kernel)
 
 
+def _noise(key: jax.Array, b: int, k: int, v: int) -> tuple[jax.Array, jax.Array]:
+    """The round's noise: uniforms [B, K] for the acceptance tests, Exp(1) [B, V] for the race."""
+    key_accept, key_race = jax.random.split(key)
+    return (jax.random.uniform(key_accept, (b, k), jnp.float32),
+            jax.random.exponential(key_race, (b, v), jnp.float32))
+
+
 @functools.partial(jax.jit, static_argnames=("rule", "top_k", "use_kernel"))
 def _verify(target_logits, draft_logits, draft_tokens, key, *, rule, temperature, top_k, top_p, nsd_top_p,
             residual_floor, use_kernel) -> VerifyResult:
-    b, _, v = verify_kernels.validate_inputs(target_logits, draft_logits, draft_tokens, rule=rule)
-    k = draft_tokens.shape[1]
-    key_accept, key_race = jax.random.split(key)
-    uniforms = jax.random.uniform(key_accept, (b, k), jnp.float32)
-    exponentials = jax.random.exponential(key_race, (b, v), jnp.float32)
-    settings = {"rule": rule, "temperature": temperature, "top_k": top_k, "top_p": top_p,
-                    "nsd_top_p": nsd_top_p, "residual_floor": residual_floor}
-    if use_kernel_for(use_kernel, top_k):
-        num, next_token, accept = verify_kernels.verify(
-            target_logits, draft_logits, draft_tokens, uniforms, exponentials,
-            interpret=jax.default_backend() == "cpu", **{**settings, "top_p": 1.0 if top_p is None else top_p})
-    else:
-        num, next_token, accept = verify_kernels.ref_verify(
-            target_logits, draft_logits, draft_tokens, uniforms, exponentials,
-            log_probs_fn=processors.log_probs, **settings)
+    b, k, v = dispatch.validate_verify_inputs(target_logits, draft_logits, draft_tokens, rule=rule)
+    num, next_token, accept = dispatch.verify(
+        target_logits, draft_logits, draft_tokens, *_noise(key, b, k, v), rule=rule, temperature=temperature,
+        top_k=top_k, top_p=top_p, nsd_top_p=nsd_top_p, residual_floor=residual_floor,
+        log_probs_fn=processors.log_probs, use_kernel=use_kernel)
     return VerifyResult(num_accepted=num, next_token=next_token, accept=accept)
 
 
@@ -142,42 +128,12 @@ def verify_sparse(target_logits: jax.Array, cand_ids: jax.Array, cand_logits: ja
 @functools.partial(jax.jit, static_argnames=("rule", "top_k"))
 def _verify_sparse(target_logits, cand_ids, cand_logits, draft_tokens, key, *, rule, temperature, top_k, top_p,
                    nsd_top_p, residual_floor) -> VerifyResult:
-    b, k1, v = target_logits.shape
-    k = draft_tokens.shape[1]
-    if rule not in RULES or k1 != k + 1 or cand_ids.shape[:2] != (b, k) or cand_logits.shape != cand_ids.shape:
-        raise ValueError(f"verify_sparse: rule {rule!r}, target {target_logits.shape}, drafts {draft_tokens.shape}, "
-                         f"candidates {cand_ids.shape} / {cand_logits.shape}")
-    key_accept, key_race = jax.random.split(key)  # the same noise as `_verify`
-    uniforms = jax.random.uniform(key_accept, (b, k), jnp.float32)
-    exponentials = jax.random.exponential(key_race, (b, v), jnp.float32)
-    target = target_logits.astype(jnp.float32)
-    x = draft_tokens.astype(jnp.int32)
-    if rule == "greedy":
-        argmax = processors.first_argmax(target)
-        accept = x == argmax[:, :k]
-        num = verify_kernels._leading_run(accept)
-        return VerifyResult(num_accepted=num, next_token=jnp.take_along_axis(argmax, num[:, None], axis=1)[:, 0],
-                            accept=accept)
-    p = jnp.exp(processors.log_probs(target, temperature, top_k, top_p))  # [B, K+1, V]
-    q = jnp.exp(processors.log_probs(cand_logits.astype(jnp.float32), temperature, top_k, top_p))  # [B, K, M]
-    ids = cand_ids.astype(jnp.int32)
-    p_draft = p[:, :k]
-    p_x = jnp.take_along_axis(p_draft, x[..., None], axis=-1)[..., 0]
-    q_x = jnp.max(jnp.where(ids == x[..., None], q, 0.0), axis=-1)  # padding repeats ids with q = 0
-    accept = uniforms * q_x < p_x
-    if rule == "nsd":
-        accept = accept | verify_kernels.nucleus_member(p_draft, p_x, nsd_top_p)
-    num = verify_kernels._leading_run(accept)
-    # the emitted position n only: p_n (p_K when all K were accepted) and its residual
-    p_n = jnp.take_along_axis(p, num[:, None, None], axis=1)[:, 0]  # [B, V]
-    row = jnp.minimum(num, k - 1)[:, None, None]
-    ids_n, q_n = jnp.take_along_axis(ids, row, axis=1)[:, 0], jnp.take_along_axis(q, row, axis=1)[:, 0]  # [B, M]
-    lowered = jnp.maximum(jnp.take_along_axis(p_n, ids_n, axis=-1) - q_n, 0.0)
-    # scatter-min: a padded entry (q = 0) leaves p, never overriding its id's real candidate
-    residual = jax.vmap(lambda r, i, val: r.at[i].min(val))(p_n, ids_n, lowered)
-    enough = jnp.sum(residual, axis=-1, keepdims=True) >= residual_floor
-    chosen = jnp.where((num < k)[:, None] & enough, residual, p_n)
-    return VerifyResult(num_accepted=num, next_token=verify_kernels._race(chosen, exponentials), accept=accept)
+    b, _, v = target_logits.shape
+    num, next_token, accept = dispatch.verify_sparse(
+        target_logits, cand_ids, cand_logits, draft_tokens, *_noise(key, b, draft_tokens.shape[1], v), rule=rule,
+        temperature=temperature, top_k=top_k, top_p=top_p, nsd_top_p=nsd_top_p, residual_floor=residual_floor,
+        log_probs_fn=processors.log_probs)  # the same noise as `_verify`
+    return VerifyResult(num_accepted=num, next_token=next_token, accept=accept)
 
 
 def output_distribution(p, q, rule: str, nsd_top_p: float = 0.9,
