@@ -35,6 +35,16 @@ def tiny_lm(family: str = "ar", seed: int = 0, **model_kw):
                        extras=extras)
 
 
+def wait_until(condition, timeout: float = 30.0, what: str = "the condition") -> None:
+    """Poll `condition()` until it holds; a RuntimeError after `timeout` seconds (a bound on a
+    hang, not a measurement)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not hold within {timeout} s")
+        time.sleep(0.01)
+
+
 def free_port() -> int:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -45,21 +55,17 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def live_server(models, **app_kw):
-    """Serve `models` (see relf_jax.serving.server.create_app) on 127.0.0.1 in a thread; yields the base URL."""
+    """Serve `models` (see relf_jax.serving.http.create_app) on 127.0.0.1 in a thread; yields the base URL."""
     import uvicorn
 
-    from relf_jax.serving.server import create_app
+    from relf_jax.serving.http import create_app
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(models, **app_kw), host="127.0.0.1", port=port,
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline:
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.02)
+    wait_until(lambda: server.started, what="the test server's start")
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -73,9 +79,9 @@ def live_server(models, **app_kw):
 def mock_models(slots: int = 4, step_s: float = 0.0, max_queue: int = 64, name: str = "mock", policy=None,
                 cost_fn=None):
     from relf_jax.serving.batching import Batcher
-    from relf_jax.serving.chat import ChatTemplate
+    from relf_jax.serving.chat_template import ChatTemplate
     from relf_jax.serving.engines import MockEngine
-    from relf_jax.serving.server import ServedEngine
+    from relf_jax.serving.loading import ServedEngine
 
     engine = MockEngine(slots, step_s=step_s)
     batcher = Batcher(engine, policy, max_queue=max_queue, cost_fn=cost_fn).start()
