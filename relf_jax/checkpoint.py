@@ -31,6 +31,8 @@ _log = logging.getLogger(__name__)
 
 # A ReLF model directory keeps its fixed token embeddings [V, d] beside the checkpoints.
 EMBEDDINGS_FILE = "embeddings.npy"
+# ... and, when trained on segment rows, the counts of its training segments' lengths (its prior)
+LENGTHS_FILE = "flow_lengths.npy"
 
 
 class CheckpointWarning(UserWarning):
@@ -104,8 +106,24 @@ class Checkpointer:
         out = self.manager.restore(int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return dict(out["meta"])
 
-    def restore_latest(self, target: Any, *, family: Optional[str] = None, model: Optional[dict] = None):
+    def restore_params(self, step: int, params_target: Any) -> tuple[Any, dict]:
+        """(params, meta) of checkpoint `step`, restoring the parameters only (for inference: the
+        optimizer state is never read). `params_target`: abstract params with shardings."""
+        out = self.manager.restore(int(step), args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(item={"params": params_target},
+                                         restore_args=ocp.checkpoint_utils.construct_restore_args(
+                                             {"params": params_target}),
+                                         partial_restore=True),
+            meta=ocp.args.JsonRestore(),
+        ))
+        return out["state"]["params"], dict(out["meta"])
+
+    def restore_latest(self, target: Any, *, family: Optional[str] = None, model: Optional[dict] = None,
+                       params_only: bool = False):
         """Restore the newest checkpoint that loads; None when there is none.
+
+        params_only: `target` is the abstract params alone, and only they are restored (state
+        ``{"params": ...}``, data state None): loading for inference.
 
         A checkpoint from another model `family`, or (given `model`, the run's
         ``dataclasses.asdict(ModelConfig)``) one saved with other model settings, is a
@@ -129,7 +147,11 @@ class Checkpointer:
                                     + ", ".join(f"model.{k}={old!r}, now {new!r}" for k, old, new in changed)
                                     + "); resume it with the same settings, or train in another workdir")
             try:
-                state, data_state, meta = self.restore(step, target)
+                if params_only:
+                    params, meta = self.restore_params(step, target)
+                    state, data_state = {"params": params}, None
+                else:
+                    state, data_state, meta = self.restore(step, target)
             except Exception as e:  # noqa: BLE001
                 warnings.warn(f"checkpoint {step} in {self.directory} is corrupt or truncated "
                               f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
@@ -172,11 +194,23 @@ def tokenizer_bytes_from_meta(meta: dict) -> Optional[bytes]:
     return base64.b64decode(b64) if b64 else None
 
 
+def latest_meta(model_dir: str) -> dict:
+    """The metadata of the newest readable checkpoint in `model_dir` (UserError if none)."""
+    ckpt = Checkpointer(model_dir, async_save=False, read_only=True)
+    for step in reversed(ckpt.steps()):
+        try:
+            return ckpt.read_meta(step)
+        except Exception:  # noqa: BLE001 - unreadable: fall back to the previous one
+            continue
+    raise UserError(f"no checkpoint found in {os.path.join(os.path.abspath(model_dir), 'checkpoints')}; "
+                    "train one first (relf-jax train ...)")
+
+
 @dataclasses.dataclass
 class LoadedModel:
     """A restored model: config, network (graphdef + params), tokenizer, checkpoint step.
 
-    Produced by `relf_jax.workflows.load_model` (relf_jax checkpoints) and by
+    Produced by `relf_jax.loading.load_model` (relf_jax checkpoints) and by
     `relf_jax.export.hf.from_hf` / `relf_jax.export.safetensors_io.load_safetensors`.
     """
 

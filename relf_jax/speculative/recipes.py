@@ -1,0 +1,183 @@
+"""Speculative decoding recipes on loaded models: the draft (distilled from the target, loaded
+beside it), the corpus n-gram table, and batch sampling with either (`sample`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import sys
+from typing import Optional, Sequence
+
+import jax
+
+from relf_jax.checkpoint import LoadedModel
+from relf_jax.config import ModelConfig, SampleConfig, SpeculativeConfig, set_value, validate_sampling
+from relf_jax.data import pipeline, sources
+from relf_jax.data import tokenizer as tokenizer_lib
+from relf_jax.data.prepare import prepare_data
+from relf_jax.errors import UserError
+from relf_jax.loading import load_model
+from relf_jax.sampling.batch import Samples, prompt_ids
+from relf_jax.sampling.recipes import ar_batch, decode_batches
+from relf_jax.train.loop import TrainResult, train
+
+NGRAM_DOCS = 20_000
+
+
+def trained_by_relf_jax(lm: LoadedModel) -> bool:
+    """True for a model relf_jax trained (its run config names its training data); False for one
+    imported from HuggingFace (its tokenizer is the checkpoint's: relf_jax never trains one)."""
+    return not isinstance(lm.tokenizer, tokenizer_lib.HFTokenizer)
+
+
+def corpus_rows(lm: LoadedModel, files: Sequence[str]) -> list[list[int]]:
+    """Token rows of the documents in `files` (``.txt`` / ``.jsonl`` files, directories or globs,
+    read as the ``text_files`` source reads them), each ``tokens + [eos]``."""
+    from relf_jax.data.builders.text_files.text_files import read_documents, resolve_files
+
+    tok = lm.tokenizer
+    docs = [d for f in files for path in resolve_files(f) for d in read_documents(path)]
+    if not docs:
+        raise UserError(f"no text in {', '.join(files)}")
+    return [tok.encode(d) + [tok.eos_id] for d in docs]
+
+
+def corpus_ngram_table(lm: LoadedModel, order: int = 3, top_m: int = 16, *, files: Sequence[str] = ()):
+    """The corpus n-gram draft (`relf_jax.speculative.ngram_draft`) of `lm`.
+
+    files: text the user names (`corpus_rows`): the table counts it. None / empty: the model's
+    training data, (up to 20k) documents of the run's configured source, tokenized with the
+    model's tokenizer; saved as ``<model dir>/ngram_draft_o<order>_m<top_m>.npz`` and read back
+    from there (a read-only model directory just rebuilds it, a few seconds). That needs a model
+    relf_jax trained: for an imported checkpoint (whose training text relf_jax does not have) it
+    is a `UserError`. Either way stderr says which corpus the table came from.
+    """
+    from relf_jax.speculative import ngram_draft
+
+    if files:
+        rows = corpus_rows(lm, files)
+        print(f"[corpus_ngram] the n-gram table counts {len(rows)} documents of {', '.join(files)}",
+              file=sys.stderr, flush=True)
+        return ngram_draft.build_ngram_draft(rows, lm.model_cfg.vocab_size, order=order, top_m=top_m)
+    if not trained_by_relf_jax(lm):
+        raise UserError("proposer corpus_ngram: this model was imported (HuggingFace), and relf_jax does not have "
+                        "its training text; name text to count (relf-jax serve --ngram-corpus FILE..., or "
+                        "ngram_corpus=[...] in load_engine / ChatModel.load) or count the traffic served "
+                        "(--ngram-corpus online)")
+    print(f"[corpus_ngram] the n-gram table counts the model's training corpus (data.source="
+          f"{lm.cfg.data.source}, up to {NGRAM_DOCS} documents)", file=sys.stderr, flush=True)
+    path = os.path.join(lm.model_dir, f"ngram_draft_o{order}_m{top_m}.npz")
+    if os.path.exists(path):
+        table = ngram_draft.NgramDraft.load(path)
+        if table.vocab_size == lm.model_cfg.vocab_size:
+            return table
+    tok = lm.tokenizer
+    builder = prepare_data(lm.cfg)
+    rows = [[tok.bos_id] + tok.encode(t) + [tok.eos_id]
+            for t in itertools.islice(sources.iter_texts(builder, "train"), NGRAM_DOCS)]
+    table = ngram_draft.build_ngram_draft(rows, lm.model_cfg.vocab_size, order=order, top_m=top_m)
+    if jax.process_index() == 0 and os.access(lm.model_dir, os.W_OK):
+        table.save(path)
+    return table
+
+
+def spec_batch(lm: LoadedModel, sc: SampleConfig, spc: SpeculativeConfig, draft: Optional[LoadedModel],
+               ngram_table=None):
+    """``run(prompts, lengths, key) -> (tokens, lengths, state)`` of speculative decoding with `spc`
+    (proposer "corpus_ngram": `ngram_table`, default the training corpus's `corpus_ngram_table`)."""
+    from relf_jax.speculative import generate as spec
+
+    settings = spec.SpecSettings(k=spc.k, rule=spc.rule, proposer=spc.proposer, max_new_tokens=sc.max_new_tokens,
+                                 eos_id=lm.tokenizer.eos_id, pad_id=lm.tokenizer.pad_id, ngram=spc.ngram,
+                                 top_k=sc.top_k)
+    params = spec.SpecParams.make(sc.temperature, sc.top_p, spc.nsd_top_p)
+    table = None
+    if spc.proposer == "corpus_ngram":
+        table = ngram_table if ngram_table is not None else corpus_ngram_table(lm, spc.corpus_order, spc.corpus_top_m)
+
+    def run(arr, lens, key):
+        state = spec.generate(lm.graphdef, lm.params, arr, lens, key, params, settings,
+                              draft_graphdef=draft.graphdef if draft else None,
+                              draft_params=draft.params if draft else table)
+        return state.tokens, state.lengths, state
+
+    return run
+
+
+def load_draft(lm: LoadedModel, spc: SpeculativeConfig, workdir: Optional[str] = None) -> LoadedModel:
+    """The draft model for speculative decoding: `spc.draft` or ``<workdir>/draft``."""
+    path = spc.draft or os.path.join(workdir or lm.cfg.workdir, "draft")
+    draft = load_model(path, "ar")
+    if not tokenizer_lib.same_tokenization(draft.tokenizer, lm.tokenizer):
+        raise UserError(f"the draft in {path} uses another tokenizer than the target")
+    return draft
+
+
+def sample(lm: LoadedModel, prompts: Optional[Sequence[str]] = None, n: Optional[int] = None,
+           sample_cfg: Optional[SampleConfig] = None, warmup: bool = True,
+           speculative: Optional[SpeculativeConfig] = None, draft: Optional[LoadedModel] = None,
+           ngram_table=None) -> Samples:
+    """Sample replies, `batch_size` prompts at a time, autoregressively or speculatively.
+
+    prompts: texts to continue (default: `n` empty prompts, i.e. unconditional conversations).
+    speculative: a `SpeculativeConfig` with rule != "none" decodes with a draft model (`draft`,
+    for proposer "draft"), prompt lookup or the corpus n-gram table (`ngram_table`, default
+    `corpus_ngram_table` of the training data); None:
+    the model's ``speculative`` settings. With `warmup`, the batch shape is compiled before the
+    clock starts.
+    """
+    sc = sample_cfg or lm.cfg.sample
+    validate_sampling(sc.temperature, sc.top_k, sc.top_p)
+    ids = prompt_ids(lm.tokenizer, prompts, n or sc.num_samples)
+    spc = speculative if speculative is not None else lm.cfg.speculative
+    if spc.rule == "none":
+        return decode_batches(lm, ids, sc, ar_batch(lm, sc), warmup=warmup)
+    if spc.proposer == "draft" and draft is None:
+        draft = load_draft(lm, spc)
+    return decode_batches(lm, ids, sc, spec_batch(lm, sc, spc, draft, ngram_table), extra=spc.k + 1, warmup=warmup,
+                          count_forwards=lambda state, rows: int(jax.device_get(state.target_forwards)[:rows].sum()))
+
+
+def draft_defaults(target: ModelConfig) -> list[str]:
+    """A draft about 4-8x cheaper than `target`: half the width, half the layers."""
+    heads = max(1, target.num_heads // 2)
+    kv = max(1, min(target.num_kv_heads, heads))
+    while heads % kv:
+        kv -= 1
+    return [f"model.d_model={max(16, target.d_model // 2)}", f"model.num_layers={max(1, target.num_layers // 2)}",
+            f"model.num_heads={heads}", f"model.num_kv_heads={kv}", f"model.mlp_dim={max(32, target.mlp_dim // 2)}",
+            "model.head_dim=0"]
+
+
+def train_draft(target_dir: str, overrides: Sequence[str] = (), workdir: Optional[str] = None,
+                *, mesh=None) -> TrainResult:
+    """Distil a small AR draft from the target in `target_dir` (same tokenizer and data).
+
+    The draft's shape defaults to `draft_defaults(target)`; `overrides` (``model.*``, ``train.*``)
+    change it. It is saved in `workdir` (default ``<target_dir>/draft``).
+    """
+    from relf_jax.speculative.distill import make_distill_loss
+
+    target = load_model(target_dir, "ar")
+    workdir = workdir or os.path.join(target_dir, "draft")
+    cfg = dataclasses.replace(target.cfg, workdir=workdir)
+    for item in [*draft_defaults(target.model_cfg), *overrides]:
+        if "=" not in item:
+            raise UserError(f"override {item!r} is not of the form key=value")
+        key, value = item.split("=", 1)
+        cfg = set_value(cfg, key, value)
+    cfg = cfg.validate()
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=target.tokenizer.vocab_size,
+                                    max_seq_len=target.model_cfg.max_seq_len)
+    cfg = dataclasses.replace(cfg, model=model_cfg)
+    # the draft's own data settings: e.g. data.topics=0,1 distils it on part of the corpus
+    builder = prepare_data(cfg, root=target_dir)
+    d, t = cfg.data, cfg.train
+    data = pipeline.make_iterator(builder, "train", target.tokenizer, seq_len=d.seq_len, batch_size=t.batch_size,
+                                  seed=t.seed + 1)
+    evals = pipeline.eval_batches(builder, "validation", target.tokenizer, seq_len=d.seq_len,
+                                  batch_size=t.batch_size, max_batches=t.eval_batches)
+    return train(cfg, model_cfg, make_distill_loss(target.graphdef), data, eval_data=evals, workdir=workdir,
+                 mesh=mesh, tokenizer_bytes=target.tokenizer.to_bytes(), frozen=target.params,
+                 extra_meta={"role": "draft", "target": os.path.abspath(target_dir)})
