@@ -11,7 +11,7 @@ import pytest
 
 from relf_jax import workflows
 from relf_jax.errors import UserError
-from relf_jax.serving.chat import load_engine
+from relf_jax.serving.loading import load_engine
 from relf_jax.speculative import ngram_draft as nd
 from tests._serving import tiny_lm
 
@@ -186,7 +186,7 @@ def test_served_requests_update_the_online_table_and_replies_stay_exact():
 
 
 def test_serve_flag_parses():
-    from experiments.launch import _parser as build_parser
+    from experiments.launch import build_parser
 
     args = build_parser().parse_args(["serve", "--workdir", "w", "--generator", "standard", "--proposer",
                                       "corpus_ngram", "--ngram-corpus", "a.txt", "dir/", "online",
@@ -217,7 +217,7 @@ def test_live_server_on_an_imported_folder_counts_its_traffic(tmp_path):
     and reply are in the engine's table afterwards."""
     transformers = pytest.importorskip("transformers")
     openai = pytest.importorskip("openai")
-    from relf_jax.serving.server import build_models
+    from relf_jax.serving.loading import build_models
     from tests._serving import live_server
     from tests.test_hf_interop import _save
 

@@ -39,8 +39,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from experiments.bench.common import text_tokens_per_step
+from experiments.bench.common import text_tokens_per_step, write_json
 from experiments.bench.relf_variants import AR_TEMPERATURES, QUICK_AR_TEMPERATURES
+from relf_jax import workflows
 from relf_jax.config import make_config
 from relf_jax.eval.baselines import ar_ppl_at_entropy
 
@@ -56,47 +57,74 @@ def bench_bd(out: str, quick: bool = False, workdir: str | None = None, override
              budgets: Sequence[int] | None = None, ablation: bool = False, ar_rows: str | None = None) -> dict:
     """`ar_rows`: a `relf-jax bench relf` report whose AR sweep rows (same preset, judge and sample
     count) stand in for this bench's own at the budgets it holds; no AR model is trained there."""
-    from relf_jax import workflows
-
     preset = "tiny" if quick else "cpu"
     root = os.path.abspath(workdir or os.path.join("runs", f"bench_bd_{preset}"))
     budgets = tuple(budgets or ((60, 120) if quick else BUDGETS))
     n = 32 if quick else 256
-    ar_temps = QUICK_AR_TEMPERATURES if quick else AR_TEMPERATURES
-    bd_temps = QUICK_BD_TEMPERATURES if quick else BD_TEMPERATURES
     t0 = time.perf_counter()
     old = []
     if os.path.exists(out):
         with open(out) as f:
             old = json.load(f).get("rows", [])
-    rows: list[dict] = []
+    rows = _Rows(out, preset, old + _borrowed_rows(ar_rows, preset, n))
+    layout = {}
+    plans = [(steps, "bd", []) for steps in budgets]
+    if ablation:
+        plans.append((budgets[0], "bd_documents", ["data.rows=documents"]))
+    for steps in budgets:
+        wd = os.path.join(root, f"steps{steps}")
+        cfg = make_config(preset, [*overrides, f"train.steps={steps}"], workdir=wd)
+        if rows.judge is None:
+            rows.judge = workflows.exact_judge(cfg)
+            layout = _layout(cfg, make_config(preset, [*overrides, "model=bd"], workdir=wd))
+        ar_lm = None
+        for t in QUICK_AR_TEMPERATURES if quick else AR_TEMPERATURES:
+            key = {"method": f"ar T={t:g}", "variant": "ar", "train_steps": steps, "temperature": t}
+            if ar_lm is None and rows.have(**key) is None:
+                workflows.train_lm(cfg)
+                ar_lm = workflows.load_model(wd, "ar")
+            sc = dataclasses.replace(cfg.sample, temperature=t, top_k=0, top_p=1.0,
+                                     max_new_tokens=cfg.data.seq_len - 1, num_samples=n)
+            rows.measure(key, lambda sc=sc, ar_lm=ar_lm: workflows.sample(ar_lm, n=n, sample_cfg=sc))
+    for steps, variant, extra in plans:
+        _bd_rows(rows, preset, overrides, root, steps, variant, extra, n, quick)
+    base = make_config(preset, list(overrides))
+    report = {"preset": preset, "complete": True, "num_samples": n, "budgets_steps": list(budgets),
+              "text_tokens_per_step": layout,
+              "text_tokens": {f"{fam}_steps{s}": layout[fam] * s for fam in layout for s in budgets},
+              "positions_per_step": base.train.batch_size * base.data.seq_len,
+              "rows": rows.rows, "targets": targets(rows.rows, budgets), "judge": rows.judge.name,
+              "wall_s": time.perf_counter() - t0}
+    write_json(out, report)
+    plot(rows.rows, budgets, os.path.splitext(out)[0] + "_quality.png")
+    print(json.dumps(report["targets"], indent=2))
+    return report
 
-    borrowed = []
-    if ar_rows:
-        with open(ar_rows) as f:
-            rep = json.load(f)
-        if rep.get("preset") != preset or rep.get("num_samples") != n:
-            raise ValueError(f"{ar_rows}: preset {rep.get('preset')!r} / {rep.get('num_samples')} samples, "
-                             f"this bench needs {preset!r} / {n}")
-        borrowed = [{**r, "source": os.path.basename(ar_rows)} for r in rep["rows"] if r.get("variant") == "ar"]
-    old += borrowed
 
-    def have(**kw):
-        return next((r for r in old if all(r.get(k) == v for k, v in kw.items())), None)
+class _Rows:
+    """The rows of one run, written to `out` as each is measured; a row found in `old` (same keys)
+    is taken from there instead of measured again."""
 
-    def record(row):
-        rows.append(row)
-        workflows.write_json(out, {"preset": preset, "complete": False, "rows": rows})
+    def __init__(self, out: str, preset: str, old: list[dict]):
+        self.out, self.preset, self.old, self.rows, self.judge = out, preset, old, [], None
+
+    def have(self, **kw):
+        return next((r for r in self.old if all(r.get(k) == v for k, v in kw.items())), None)
+
+    def record(self, row: dict) -> None:
+        self.rows.append(row)
+        write_json(self.out, {"preset": self.preset, "complete": False, "rows": self.rows})
         extra = (f"  {row['committed_per_step']:.2f} committed / {row['tokens_per_step']:.2f} output tokens per step"
                  if row.get("tokens_per_step") else "")
         print(f"[bench bd] {row['train_steps']:>5} steps {row['method']:>28}: gen PPL {row['gen_ppl']:8.2f}  "
               f"entropy {row['entropy']:.2f}  {row['mean_tokens']:.1f} words{extra}", flush=True)
 
-    def measure(key: dict, run):
-        row = have(**key)
+    def measure(self, key: dict, run) -> None:
+        """The row of `key`: found in `old`, else the samples of `run()` judged."""
+        row = self.have(**key)
         if row is None:
             s = run()
-            q = workflows.evaluate_samples(s, judge)
+            q = workflows.evaluate_samples(s, self.judge)
             row = {**key, "gen_ppl": q["gen_ppl"], "entropy": q["entropy"], "mean_tokens": q["mean_tokens"],
                    "distinct_2": q["distinct_2"], "complete": float(np.mean(s.complete)), "seconds": s.seconds}
             if s.denoise_steps:
@@ -105,65 +133,53 @@ def bench_bd(out: str, quick: bool = False, workdir: str | None = None, override
                 row.update(committed_per_step=s.denoise_commits / s.denoise_steps,
                            tokens_per_step=s.tokens / s.denoise_steps,
                            denoise_steps_per_sample=s.denoise_steps / len(s.texts))
-        record(row)
+        self.record(row)
 
-    layout = {}
-    judge = None
-    plans = [(steps, "bd", []) for steps in budgets]
-    if ablation:
-        plans.append((budgets[0], "bd_documents", ["data.rows=documents"]))
-    for steps in budgets:
-        wd = os.path.join(root, f"steps{steps}")
-        cfg = make_config(preset, [*overrides, f"train.steps={steps}"], workdir=wd)
-        if judge is None:
-            judge = workflows.exact_judge(cfg)
-            builder = workflows.prepare_data(cfg)
-            tok = workflows.prepare_tokenizer(cfg, builder)
-            bd_cfg = make_config(preset, [*overrides, "model=bd"], workdir=wd)
-            layout = {"ar": text_tokens_per_step(cfg, builder, tok, workflows.row_mode(cfg), 1, batches=20),
-                      "bd": text_tokens_per_step(bd_cfg, builder, tok, workflows.row_mode(bd_cfg),
-                                                 bd_cfg.model.block_size, batches=20),
-                      "bd_documents": text_tokens_per_step(bd_cfg, builder, tok, "documents", 1, batches=20)}
-        ar_lm = None
-        for t in ar_temps:
-            key = {"method": f"ar T={t:g}", "variant": "ar", "train_steps": steps, "temperature": t}
-            if ar_lm is None and have(**key) is None:
-                workflows.train_lm(cfg)
-                ar_lm = workflows.load_model(wd, "ar")
-            sc = dataclasses.replace(cfg.sample, temperature=t, top_k=0, top_p=1.0,
-                                     max_new_tokens=cfg.data.seq_len - 1, num_samples=n)
-            measure(key, lambda sc=sc, ar_lm=ar_lm: workflows.sample(ar_lm, n=n, sample_cfg=sc))
-    for steps, variant, extra in plans:
-        wd = os.path.join(root, f"steps{steps}" if variant == "bd" else f"steps{steps}_{variant}")
-        bcfg = make_config(preset, [*overrides, f"train.steps={steps}", "model=bd", *extra], workdir=wd)
-        workflows.train_lm(bcfg)
-        lm = workflows.load_model(wd, "bd")
-        thr = lm.cfg.sample.threshold
-        runs = [(t, "max", thr) for t in bd_temps] + [(1.0, "sampled", thr)]
-        runs += [(1.0, "max", x) for x in ((LOWER_THRESHOLDS[:1] if quick else LOWER_THRESHOLDS)
-                                           if variant == "bd" else ())]
-        if variant != "bd":
-            runs = [(1.0, "max", thr), (1.0, "sampled", thr)]
-        for t, rule, x in runs:
-            sc = dataclasses.replace(lm.cfg.sample, temperature=t, confidence=rule, num_samples=n, threshold=x,
-                                     max_new_tokens=bcfg.data.seq_len - 1)
-            name = (f"bd T={t:g}" + ("" if rule == "max" else " sampled-confidence")
-                    + ("" if x == thr else f" thr={x:g}"))
-            measure({"method": name, "variant": variant, "train_steps": steps, "temperature": t, "confidence": rule,
-                     "threshold": sc.threshold, "block_size": lm.model_cfg.block_size},
-                    lambda sc=sc, lm=lm: workflows.sample_bd(lm, n=n, sample_cfg=sc))
 
-    base = make_config(preset, list(overrides))
-    report = {"preset": preset, "complete": True, "num_samples": n, "budgets_steps": list(budgets),
-              "text_tokens_per_step": layout,
-              "text_tokens": {f"{fam}_steps{s}": layout[fam] * s for fam in layout for s in budgets},
-              "positions_per_step": base.train.batch_size * base.data.seq_len,
-              "rows": rows, "targets": targets(rows, budgets), "judge": judge.name,
-              "wall_s": time.perf_counter() - t0}
-    workflows.write_json(out, report)
-    plot(rows, budgets, os.path.splitext(out)[0] + "_quality.png")
-    print(json.dumps(report["targets"], indent=2))
-    return report
+def _borrowed_rows(ar_rows: str | None, preset: str, n: int) -> list[dict]:
+    """The AR sweep rows of the `bench relf` report `ar_rows` (marked with ``source``), if given."""
+    if not ar_rows:
+        return []
+    with open(ar_rows) as f:
+        rep = json.load(f)
+    if rep.get("preset") != preset or rep.get("num_samples") != n:
+        raise ValueError(f"{ar_rows}: preset {rep.get('preset')!r} / {rep.get('num_samples')} samples, "
+                         f"this bench needs {preset!r} / {n}")
+    return [{**r, "source": os.path.basename(ar_rows)} for r in rep["rows"] if r.get("variant") == "ar"]
+
+
+def _layout(cfg, bd_cfg) -> dict:
+    """Text tokens one optimizer step trains on, per family and row layout."""
+    builder = workflows.prepare_data(cfg)
+    tok = workflows.prepare_tokenizer(cfg, builder)
+    return {"ar": text_tokens_per_step(cfg, builder, tok, workflows.row_mode(cfg), 1, batches=20),
+            "bd": text_tokens_per_step(bd_cfg, builder, tok, workflows.row_mode(bd_cfg), bd_cfg.model.block_size,
+                                       batches=20),
+            "bd_documents": text_tokens_per_step(bd_cfg, builder, tok, "documents", 1, batches=20)}
+
+
+def _bd_rows(rows: _Rows, preset: str, overrides: Sequence[str], root: str, steps: int, variant: str,
+             extra: Sequence[str], n: int, quick: bool) -> None:
+    """A block-diffusion model of `variant` at `steps`: its rows at each temperature, the old commit
+    rule and (the default layout) lower thresholds."""
+    wd = os.path.join(root, f"steps{steps}" if variant == "bd" else f"steps{steps}_{variant}")
+    bcfg = make_config(preset, [*overrides, f"train.steps={steps}", "model=bd", *extra], workdir=wd)
+    workflows.train_lm(bcfg)
+    lm = workflows.load_model(wd, "bd")
+    thr = lm.cfg.sample.threshold
+    runs = [(t, "max", thr) for t in (QUICK_BD_TEMPERATURES if quick else BD_TEMPERATURES)] + [(1.0, "sampled", thr)]
+    runs += [(1.0, "max", x) for x in ((LOWER_THRESHOLDS[:1] if quick else LOWER_THRESHOLDS)
+                                       if variant == "bd" else ())]
+    if variant != "bd":
+        runs = [(1.0, "max", thr), (1.0, "sampled", thr)]
+    for t, rule, x in runs:
+        sc = dataclasses.replace(lm.cfg.sample, temperature=t, confidence=rule, num_samples=n, threshold=x,
+                                 max_new_tokens=bcfg.data.seq_len - 1)
+        name = (f"bd T={t:g}" + ("" if rule == "max" else " sampled-confidence")
+                + ("" if x == thr else f" thr={x:g}"))
+        rows.measure({"method": name, "variant": variant, "train_steps": steps, "temperature": t, "confidence": rule,
+                      "threshold": sc.threshold, "block_size": lm.model_cfg.block_size},
+                     lambda sc=sc, lm=lm: workflows.sample_bd(lm, n=n, sample_cfg=sc))
 
 
 def targets(rows: Sequence[dict], budgets: Sequence[int]) -> dict:
@@ -191,11 +207,12 @@ def targets(rows: Sequence[dict], budgets: Sequence[int]) -> dict:
                                 "committed_per_step": r.get("committed_per_step"),
                                 "tokens_per_step": r.get("tokens_per_step")}
         best = min(per.values(), key=lambda x: (x["entropy_outside_ar_sweep_nats"] > 0, x["ratio"]))
-        out[f"steps{steps}"] = {"rows": per, "headline": best,
-                                "ratio_target": f"<= {TARGET_RATIO}", "tokens_per_step_target": f">= {TARGET_TOKENS_PER_STEP}",
-                                "ratio_met": best["ratio"] <= TARGET_RATIO and best["entropy_outside_ar_sweep_nats"] == 0,
-                                "tokens_per_step_met": (best["committed_per_step"] or 0) >= TARGET_TOKENS_PER_STEP,
-                                "lower_thresholds_t1": lower}
+        out[f"steps{steps}"] = {
+            "rows": per, "headline": best,
+            "ratio_target": f"<= {TARGET_RATIO}", "tokens_per_step_target": f">= {TARGET_TOKENS_PER_STEP}",
+            "ratio_met": best["ratio"] <= TARGET_RATIO and best["entropy_outside_ar_sweep_nats"] == 0,
+            "tokens_per_step_met": (best["committed_per_step"] or 0) >= TARGET_TOKENS_PER_STEP,
+            "lower_thresholds_t1": lower}
         t1 = next((r for r in bd if r["temperature"] == 1.0), None)
         if t1 is not None:
             curve.append((steps, t1["gen_ppl"], t1["entropy"]))

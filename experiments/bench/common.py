@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -87,3 +88,22 @@ def text_tokens_per_step(cfg, builder, tok, rows: str, align: int = 1, batches: 
         t, s = x["tokens"][:, :-1], x["segment_ids"][:, :-1]
         total += int(((t != tok.pad_id) & (s != 0)).sum())
     return total / batches
+
+
+def median_seconds(fn, reps: int) -> float:
+    """Median wall seconds of `reps` calls of `fn()`, each waited for (`jax.block_until_ready`)."""
+    import jax
+
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        samples.append(time.perf_counter() - t0)
+    return float(np.median(samples))
+
+
+def kernel_vs_reference(ref, ker, args, reps: int) -> dict:
+    """Median ms of the reference and of the kernel on `args`, and the kernel's speedup."""
+    times = {name: median_seconds(lambda fn=fn: fn(*args), reps) for name, fn in (("reference", ref), ("kernel", ker))}
+    return {"reference_ms": times["reference"] * 1e3, "kernel_ms": times["kernel"] * 1e3,
+            "speedup_kernel_over_reference": times["reference"] / times["kernel"]}

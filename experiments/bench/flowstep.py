@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
-import numpy as np
-
-from experiments.bench.common import write_json
+from experiments.bench.common import kernel_vs_reference, write_json
 
 
 def bench_flowstep(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = ()) -> dict:
@@ -37,17 +34,8 @@ def bench_flowstep(out: str, quick: bool = False, workdir: str | None = None, ov
         args = (z, f, emb, tt, tn)
         r, k = jax.block_until_ready(ref(*args)), jax.block_until_ready(ker(*args))
         diff = max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(r, k))
-        times = {}
-        for name, fn in (("reference", ref), ("kernel", ker)):
-            samples = []
-            for _ in range(3 if interpret else 20):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(*args))
-                samples.append(time.perf_counter() - t0)
-            times[name] = float(np.median(samples))
         row = {"t": t, "batch": b, "length": length, "vocab": v, "dim": d, "max_abs_diff": diff,
-               "reference_ms": times["reference"] * 1e3, "kernel_ms": times["kernel"] * 1e3,
-               "speedup_kernel_over_reference": times["reference"] / times["kernel"]}
+               **kernel_vs_reference(ref, ker, args, 3 if interpret else 20)}
         rows.append(row)
         print(f"[bench flowstep] {backend} t={t} B={b} L={length} V={v}: max|diff| {diff:.2e}  ref "
               f"{row['reference_ms']:.3f} ms  kernel {row['kernel_ms']:.3f} ms  "

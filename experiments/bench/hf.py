@@ -16,7 +16,8 @@ so both stacks run the very same float32 weights on the same CPU and prompts:
 
 Compilation (JAX) and the first call (both) are excluded; each row is the median over the same
 number of repetitions. All relf_jax rows run first, then all transformers rows (the HF models are
-loaded only then): torch's OpenMP workers spin after a call and slow a JAX call that follows. Rows: ``{"task", "batch", "ours_tok_s", "hf_tok_s", "ratio"}`` (+ details).
+loaded only then): torch's OpenMP workers spin after a call and slow a JAX call that follows.
+Rows: ``{"task", "batch", "ours_tok_s", "hf_tok_s", "ratio"}`` (+ details).
 """
 
 from __future__ import annotations
@@ -155,15 +156,35 @@ def _hf_train(model, batch: np.ndarray, train_cfg):
     return run
 
 
+def _big_model(lm):
+    """A freshly initialised d=512, 8-layer model on `lm`'s config and tokenizer: where the network,
+    not the Python around it, dominates."""
+    from flax import nnx
+
+    from relf_jax.checkpoint import LoadedModel
+    from relf_jax.models import build_model
+
+    big_cfg = dataclasses.replace(lm.model_cfg, d_model=512, num_layers=8, num_heads=8, num_kv_heads=4, mlp_dim=1536,
+                                  head_dim=0)
+    gd, params = nnx.split(build_model(big_cfg, nnx.Rngs(0)))
+    return LoadedModel(cfg=lm.cfg, model_cfg=big_cfg, graphdef=gd, params=params, tokenizer=lm.tokenizer, step=0)
+
+
+def _row(task: str, batch: int, ours_s: float, hf_s: float, tokens: int, **extra) -> dict:
+    """One result row (tokens/s of both stacks and their ratio), printed."""
+    row = {"task": task, "batch": batch, "ours_tok_s": tokens / ours_s, "hf_tok_s": tokens / hf_s,
+           "ratio": hf_s / ours_s, **extra}
+    print(f"[bench hf] {task:>14} b={batch}: ours {row['ours_tok_s']:10,.1f} tok/s   transformers "
+          f"{row['hf_tok_s']:10,.1f} tok/s   ratio {row['ratio']:6.2f}x", flush=True)
+    return row
+
+
 def bench_hf(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = ()) -> dict:
     import jax
     import torch
-    from flax import nnx
     from transformers import AutoModelForCausalLM
 
-    from relf_jax.checkpoint import LoadedModel
     from relf_jax.export.hf import export_hf
-    from relf_jax.models import build_model
     from relf_jax.models.causal_lm import count_params
 
     preset = "tiny" if quick else "cpu"
@@ -178,17 +199,7 @@ def bench_hf(out: str, quick: bool = False, workdir: str | None = None, override
         path = export_hf(model, os.path.join(tmp, name))
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
-    def add(task, batch, ours_s, hf_s, tokens, **extra):
-        row = {"task": task, "batch": batch, "ours_tok_s": tokens / ours_s, "hf_tok_s": tokens / hf_s,
-               "ratio": hf_s / ours_s, **extra}
-        rows.append(row)
-        print(f"[bench hf] {task:>14} b={batch}: ours {row['ours_tok_s']:10,.1f} tok/s   transformers "
-              f"{row['hf_tok_s']:10,.1f} tok/s   ratio {row['ratio']:6.2f}x", flush=True)
-
-    big_cfg = dataclasses.replace(lm.model_cfg, d_model=512, num_layers=8, num_heads=8, num_kv_heads=4, mlp_dim=1536,
-                                  head_dim=0)
-    gd, params = nnx.split(build_model(big_cfg, nnx.Rngs(0)))
-    big = LoadedModel(cfg=lm.cfg, model_cfg=big_cfg, graphdef=gd, params=params, tokenizer=lm.tokenizer, step=0)
+    big = _big_model(lm)
     with tempfile.TemporaryDirectory() as tmp:
         # Phase 1, relf_jax only; phase 2, transformers only (models loaded after phase 1): torch's
         # OpenMP workers keep spinning after a call and would steal the two cores from JAX.
@@ -227,7 +238,7 @@ def bench_hf(out: str, quick: bool = False, workdir: str | None = None, override
         for (task, batch_size, tokens, extra), o, t in zip(row_meta, ours, theirs):
             if task.startswith("spec_"):
                 extra = {**extra, "ours_tau": float(np.mean(spec_taus[task[5:]]))}
-            add(task, batch_size, o, t, tokens, **extra)
+            rows.append(_row(task, batch_size, o, t, tokens, **extra))
     import transformers
 
     report = {"rows": rows, "preset": preset, "params": count_params(lm.params),

@@ -13,9 +13,9 @@ import numpy as np
 
 from experiments.bench.serve_client import chat_bodies
 from relf_jax.serving.batching import GenerationRequest
-from relf_jax.serving.chat import encode_chat
+from relf_jax.serving.chat_template import encode_chat
 from relf_jax.serving.engine_api import RequestParams
-from relf_jax.serving.server import build_models
+from relf_jax.serving.loading import build_models
 
 
 def engine_kw(args: Sequence[str]) -> tuple[str, dict]:

@@ -15,8 +15,9 @@ from experiments.bench.serve_client import chat_bodies, run_load, summarize_run
 from experiments.bench.serve_servers import ServerProcess, batch1_run
 from relf_jax import workflows
 from relf_jax.dws.predictor import WorkloadCost
+from relf_jax.serving.http import serve
+from relf_jax.serving.loading import build_models
 from relf_jax.serving.scheduler import FCFS, SJF, aging_for
-from relf_jax.serving.server import build_models, serve
 from relf_jax.serving.simulator import poisson_arrivals, simulate, summarize
 
 POLICIES = ("fcfs", "sjf")

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
-import numpy as np
-
-from experiments.bench.common import write_json
+from experiments.bench.common import kernel_vs_reference, write_json
 
 
 def bench_verify(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = ()) -> dict:
@@ -44,17 +41,8 @@ def bench_verify(out: str, quick: bool = False, workdir: str | None = None, over
             args = (target, draft, tokens, u, e)
             r_out, k_out = jax.block_until_ready(ref(*args)), jax.block_until_ready(ker(*args))
             agree = all(bool(jnp.array_equal(x, y)) for x, y in zip(r_out, k_out))
-            times = {}
-            for name, fn in (("reference", ref), ("kernel", ker)):
-                samples = []
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(fn(*args))
-                    samples.append(time.perf_counter() - t0)
-                times[name] = float(np.median(samples))
             row = {"batch": b, "k": k, "vocab": v, "rule": rule, "agree": agree,
-                   "reference_ms": times["reference"] * 1e3, "kernel_ms": times["kernel"] * 1e3,
-                   "speedup_kernel_over_reference": times["reference"] / times["kernel"]}
+                   **kernel_vs_reference(ref, ker, args, reps)}
             rows.append(row)
             print(f"[bench verify] {backend} B={b:>2} K={k} V={v} {rule:>8}: agree={agree} "
                   f"ref {row['reference_ms']:.3f} ms  kernel {row['kernel_ms']:.3f} ms  "

@@ -1,0 +1,64 @@
+"""`relf-jax demo` and `relf-jax bench NAME` (the benches live in `experiments.bench`)."""
+
+from __future__ import annotations
+
+
+def demo_args(p):
+    p.add_argument("--quick", action="store_true", help="tiny preset, about 2 minutes")
+    p.add_argument("--workdir", default=None)
+
+
+def demo(args) -> int:
+    from experiments.demo import run_demo
+
+    run_demo(quick=args.quick, workdir=args.workdir, overrides=args.overrides)
+    return 0
+
+
+def bench_args(p):
+    from experiments.bench import BENCHES
+
+    p.add_argument("which", choices=list(BENCHES))
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--quick", action="store_true", help="tiny preset, a few minutes")
+    p.add_argument("--workdir", default=None, help="where models are trained / cached")
+    p.add_argument("--parts", default=None, help="bench serve and relf only: which parts, comma-separated; serve: "
+                                                 "engines (AR vs NSD, batch-1 overhead), batcher (the same engines "
+                                                 "without the server) and dws (FCFS vs SJF-DWS); "
+                                                 "relf: models, reflow (reflow and no-pairs control rounds), "
+                                                 "latency; default all")
+    p.add_argument("--budgets", default=None, help="bench bd only: training budgets in steps, comma-separated "
+                                                   "(default 600,1200)")
+    p.add_argument("--ablation", action="store_true", help="bench bd only: also the old one-conversation-per-row "
+                                                           "layout at the first budget")
+    p.add_argument("--ar-rows", default=None, help="bench bd only: a bench relf report whose AR sweep rows are "
+                                                   "used for the budgets it holds")
+
+
+def _bench_options(args) -> dict:
+    """The keywords of the bench-specific options, checked against the bench they apply to."""
+    from relf_jax.errors import UserError
+
+    extra = {}
+    if args.parts is not None:
+        if args.which not in ("serve", "relf"):
+            raise UserError("--parts applies to bench serve and bench relf only")
+        extra["parts"] = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if args.budgets is not None or args.ablation or args.ar_rows:
+        if args.which != "bd":
+            raise UserError("--budgets, --ablation and --ar-rows apply to bench bd only")
+        extra["ar_rows"] = args.ar_rows
+        try:
+            extra["budgets"] = [int(x) for x in args.budgets.split(",")] if args.budgets else None
+        except ValueError:
+            raise UserError(f"--budgets must be comma-separated step counts, got {args.budgets!r}") from None
+        extra["ablation"] = args.ablation
+    return extra
+
+
+def bench(args) -> int:
+    from experiments.bench import bench_function
+
+    extra = _bench_options(args)
+    bench_function(args.which)(args.out, quick=args.quick, workdir=args.workdir, overrides=args.overrides, **extra)
+    return 0
