@@ -17,7 +17,6 @@ from relf_jax.errors import UserError
 from relf_jax.loading import load
 from relf_jax.methods import (
     Autoregressive,
-    BlockDiffusion,
     DraftModel,
     Flow,
     Method,

@@ -1,17 +1,6 @@
-"""Typed, validated, layered configuration.
-
-A run is described by one `Config`: a tree of frozen dataclasses (model, data, train, sample,
-mesh, checkpoint). It is built in three layers:
-
-1. defaults (the dataclass field defaults),
-2. a named preset (`tiny`, `cpu`, `small`, `medium`, `large`),
-3. `key=value` overrides, e.g. ``model.num_layers=4 train.steps=200 sample.temperature=0.8``.
-
-Every override is checked: an unknown key or a value of the wrong type raises `ConfigError`
-with a one-line message that names the key and the valid choices. Values are then validated
-(`Config.validate`), so impossible settings (temperature < 0, top_p outside (0, 1], ...) fail
-before any compute.
-"""
+"""The configuration's schema: a `Config` is a tree of frozen dataclasses (model, data, train,
+sample, speculative, flow, mesh), each validated (`Config.validate`), plus the typed coercion of
+override strings and saved dicts into them (`coerce`, `from_dict`)."""
 
 from __future__ import annotations
 
@@ -19,7 +8,7 @@ import dataclasses
 import json
 import types
 import typing
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from relf_jax.errors import UserError
 
@@ -317,7 +306,7 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Config":
-        return _from_dict(cls, d, prefix="")
+        return from_dict(cls, d, prefix="")
 
 
 def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
@@ -332,106 +321,7 @@ def _check(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-# ----------------------------------------------------------------------------- presets
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # CPU tests: trains in seconds.
-    "tiny": {
-        "model.d_model": 32, "model.num_layers": 2, "model.num_heads": 2, "model.num_kv_heads": 1,
-        "model.mlp_dim": 64, "model.max_seq_len": 128,
-        "data.num_train": 2000, "data.num_validation": 100, "data.seq_len": 64, "data.vocab_size": 512,
-        "train.steps": 60, "train.batch_size": 8, "train.warmup_steps": 10, "train.eval_every": 30,
-        "train.checkpoint_every": 30, "train.log_every": 5, "train.eval_batches": 2,
-        "sample.num_samples": 8, "sample.batch_size": 8, "sample.max_new_tokens": 48,
-    },
-    # The demo on a 2-core CPU.
-    "cpu": {},
-    # GPT-2 small / medium / large shapes, for accelerators and pods.
-    "small": {
-        "model.d_model": 768, "model.num_layers": 12, "model.num_heads": 12, "model.num_kv_heads": 12,
-        "model.mlp_dim": 2048, "model.max_seq_len": 1024, "model.dtype": "bfloat16",
-        "data.seq_len": 1024, "data.vocab_size": 32768, "data.num_train": 1_000_000,
-        "train.steps": 100_000, "train.batch_size": 256, "train.learning_rate": 6e-4,
-        "train.warmup_steps": 2000, "train.eval_every": 2000, "train.checkpoint_every": 2000,
-        "train.log_every": 50, "sample.max_new_tokens": 1024,
-    },
-    "medium": {
-        "model.d_model": 1024, "model.num_layers": 24, "model.num_heads": 16, "model.num_kv_heads": 16,
-        "model.mlp_dim": 2816, "model.max_seq_len": 1024, "model.dtype": "bfloat16",
-        "data.seq_len": 1024, "data.vocab_size": 32768, "data.num_train": 1_000_000,
-        "train.steps": 200_000, "train.batch_size": 256, "train.learning_rate": 3e-4,
-        "train.warmup_steps": 2000, "train.eval_every": 2000, "train.checkpoint_every": 2000,
-        "train.log_every": 50, "sample.max_new_tokens": 1024,
-    },
-    "large": {
-        "model.d_model": 1280, "model.num_layers": 36, "model.num_heads": 20, "model.num_kv_heads": 20,
-        "model.mlp_dim": 3456, "model.max_seq_len": 1024, "model.dtype": "bfloat16",
-        "data.seq_len": 1024, "data.vocab_size": 32768, "data.num_train": 1_000_000,
-        "train.steps": 300_000, "train.batch_size": 512, "train.learning_rate": 2.5e-4,
-        "train.warmup_steps": 2000, "train.eval_every": 2000, "train.checkpoint_every": 2000,
-        "train.log_every": 50, "sample.max_new_tokens": 1024,
-    },
-}
-
-# Short spellings accepted on the command line.
-ALIASES = {"model": "model.family", "draft": "speculative.draft", "nfe": "flow.nfe", "sampler": "flow.sampler"}
-
-
-def make_config(preset: str = "cpu", overrides: Optional[list[str] | dict[str, Any]] = None,
-                **kwargs: Any) -> Config:
-    """Build a validated `Config` from a preset name and overrides.
-
-    `overrides` is a list of ``"key=value"`` strings (values parsed by the field's type) or a
-    dict of already-typed values; keyword arguments are further overrides with ``__`` for dots
-    (``train__steps=10``).
-    """
-    if preset not in PRESETS:
-        raise ConfigError(f"unknown preset {preset!r}; valid presets: {', '.join(PRESETS)}")
-    values: dict[str, Any] = dict(PRESETS[preset])
-    if isinstance(overrides, dict):
-        values.update(overrides)
-    else:
-        for item in overrides or []:
-            if "=" not in item:
-                raise ConfigError(f"override {item!r} is not of the form key=value")
-            key, raw = item.split("=", 1)
-            values[key.strip()] = raw
-    for key, v in kwargs.items():
-        values[key.replace("__", ".")] = v
-    cfg = Config(preset=preset)
-    for key, v in values.items():
-        cfg = set_value(cfg, key, v)
-    return cfg.validate()
-
-
-def set_value(cfg: Config, key: str, value: Any) -> Config:
-    """Return `cfg` with the dotted `key` set to `value` (a string is parsed by the field type)."""
-    key = ALIASES.get(key, key)
-    parts = key.split(".")
-    return _set(cfg, parts, value, prefix="")
-
-
-def _set(obj: Any, parts: list[str], value: Any, prefix: str) -> Any:
-    fields = {f.name: f for f in dataclasses.fields(obj)}
-    name = parts[0]
-    full = prefix + name
-    if name not in fields:
-        choices = ", ".join(prefix + f for f in fields)
-        raise ConfigError(f"unknown config key {full!r}; valid keys here: {choices}")
-    hints = typing.get_type_hints(type(obj))
-    ftype = hints[name]
-    if len(parts) > 1:
-        sub = getattr(obj, name)
-        if not dataclasses.is_dataclass(sub):
-            raise ConfigError(f"config key {full!r} has no sub-keys")
-        return dataclasses.replace(obj, **{name: _set(sub, parts[1:], value, full + ".")})
-    if dataclasses.is_dataclass(ftype):
-        subs = ", ".join(f"{full}.{f.name}" for f in dataclasses.fields(ftype))
-        raise ConfigError(f"config key {full!r} is a group; set one of: {subs}")
-    return dataclasses.replace(obj, **{name: _coerce(full, ftype, value)})
-
-
-def _coerce(key: str, ftype: Any, value: Any) -> Any:
+def coerce(key: str, ftype: Any, value: Any) -> Any:
     origin = typing.get_origin(ftype)
     if origin is Literal:
         choices = typing.get_args(ftype)
@@ -442,7 +332,7 @@ def _coerce(key: str, ftype: Any, value: Any) -> Any:
         args = [a for a in typing.get_args(ftype) if a is not type(None)]
         if value in (None, "none", "None"):
             return None
-        return _coerce(key, args[0], value)
+        return coerce(key, args[0], value)
     if ftype is bool:
         if isinstance(value, bool):
             return value
@@ -472,7 +362,7 @@ def _coerce(key: str, ftype: Any, value: Any) -> Any:
     raise ConfigError(f"{key}: unsupported field type {ftype}")
 
 
-def _from_dict(cls: type, d: dict[str, Any], prefix: str) -> Any:
+def from_dict(cls: type, d: dict[str, Any], prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     kwargs = {}
     names = {f.name for f in dataclasses.fields(cls)}
@@ -480,7 +370,7 @@ def _from_dict(cls: type, d: dict[str, Any], prefix: str) -> Any:
         if k not in names:
             raise ConfigError(f"unknown config key {prefix + k!r} in saved config")
         if dataclasses.is_dataclass(hints[k]):
-            kwargs[k] = _from_dict(hints[k], v, prefix + k + ".")
+            kwargs[k] = from_dict(hints[k], v, prefix + k + ".")
         else:
-            kwargs[k] = _coerce(prefix + k, hints[k], v)
+            kwargs[k] = coerce(prefix + k, hints[k], v)
     return cls(**kwargs)
