@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+
 import numpy as np
 
 from relf_jax.data.synthetic_chat.lexicon import (

@@ -13,17 +13,8 @@ from relf_jax.data.synthetic_chat.sampler import Sampler
 
 
 class SyntheticChat(Grammar):
-    """The chat grammar: sampling and exact scoring.
-
-    Attributes:
-      config: the ``GrammarConfig``.
-      vocab: list of words; ``vocab[0] == "<unk>"``, then ``<user>``,
-        ``<assistant>``.
-      topics: topic names, ``len == config.num_topics``.
-      topic_words: per topic, the set of its own words (nouns, verbs, adjectives).
-      verbosity_cues: per verbosity class, its cue words.
-      state_names: names of the ``R`` local automaton states.
-    """
+    """The chat grammar: sampling and exact scoring. The tables and their attributes (``vocab``,
+    ``topics``, ``topic_words``, ``verbosity_cues``, ``state_names``, ...) are `Grammar`'s."""
 
     def __init__(self, config: GrammarConfig = GrammarConfig()):
         super().__init__(config)
