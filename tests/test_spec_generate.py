@@ -111,11 +111,11 @@ def test_ragged_rounds_verify_against_full_recompute_logits(tiny_model, draft_mo
     prompts, lens = ar.pad_prompts(PROMPTS)
     settings = spec.SpecSettings(k=3, rule="standard", max_new_tokens=40, eos_id=-1)
     sp = spec.SpecParams.make(1.0)
-    state = spec._prefill(tg, tp, dg, dp, prompts, lens, jax.random.key(3), sp, settings)
+    state = spec.prefill_scored(tg, tp, dg, dp, prompts, lens, jax.random.key(3), sp, settings)[0]
     accepted_counts = set()
     for _ in range(4):
         before = np.asarray(state.tokens), np.asarray(state.lengths)
-        state = spec._round(tg, tp, dg, dp, state, sp, settings)
+        state = spec.round_scored(tg, tp, dg, dp, state, sp, settings)[0]
         target_logits, drafts = seen[-1]
         toks, lengths = before
         for b in range(len(PROMPTS)):

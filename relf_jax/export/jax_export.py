@@ -39,6 +39,7 @@ from relf_jax.data.tokenizer import HFTokenizer
 from relf_jax.errors import UserError
 from relf_jax.export.flat import abstract_params, flat_params
 from relf_jax.models.causal_lm import init_cache
+from relf_jax.sampling.prefill import prefill_cache
 
 FORMAT = "relf_jax.jax_export/1"
 
@@ -50,16 +51,11 @@ def _rebuild(model_cfg, flat: dict):
 
 
 def step_functions(model_cfg, max_len: int):
-    """The two pure functions that get exported (also callable directly, for tests)."""
+    """The two pure functions that get exported (also callable directly, for tests): the prefill
+    is the samplers' own (`relf_jax.sampling.prefill.prefill_cache`)."""
 
     def prefill(params, tokens, lengths):
-        model = _rebuild(model_cfg, params)
-        b, p = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        cache = init_cache(model_cfg, b, max_len)
-        logits, cache = model(tokens, positions, cache=cache, cache_index=jnp.zeros((b,), jnp.int32),
-                              logits_at=lengths - 1)
-        return logits[:, 0], cache
+        return prefill_cache(_rebuild(model_cfg, params), tokens, lengths, max_len)
 
     def decode(params, tokens, positions, cache):
         model = _rebuild(model_cfg, params)

@@ -2,8 +2,9 @@
 
 Static settings (shapes, EOS) live on the frozen `DecodeSettings`; sampling knobs
 (temperature, top-k, top-p, min-p and the `processors.Penalties`: logit bias, repetition /
-frequency / presence penalties) are traced in `SamplingParams`, so changing them does not
-recompile; a knob given as None is left out at trace time. The penalties' token counts live in
+frequency / presence penalties) are traced in `relf_jax.sampling.params.SamplingParams`, so
+changing them does not recompile; a knob given as None is left out at trace time. The prefill is
+`relf_jax.sampling.prefill`'s, shared with the speculative sampler and the export. The penalties' token counts live in
 the state (``settings.track_tokens``) and are updated as tokens are committed. One compilation
 per (batch, prompt bucket, max_new_tokens).
 
@@ -25,11 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from relf_jax.config import validate_sampling
 from relf_jax.errors import UserError
-from relf_jax.models.causal_lm import init_cache
 from relf_jax.models.layers import KVCache
 from relf_jax.sampling import processors
+from relf_jax.sampling.params import SamplingParams, sample_logits
+from relf_jax.sampling.prefill import first_token, prefill_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,63 +41,6 @@ class DecodeSettings:
     eos_id: int
     pad_id: int = 0
     track_tokens: bool = False  # keep per-row token counts (`DecodeState.counts`) for the penalties
-
-
-@flax.struct.dataclass
-class SamplingParams:
-    """Traced sampling knobs, a scalar or one value per row. min_p and penalties None: off
-    (left out at trace time); penalties' token state (counts, seen) is ignored here: it lives
-    in the `DecodeState`."""
-
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    min_p: jax.Array | None = None
-    penalties: processors.Penalties | None = None
-
-    @classmethod
-    def make(cls, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-             repetition_penalty: float = 1.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-             logit_bias: dict[int, float] | None = None, vocab_size: int | None = None) -> SamplingParams:
-        """Settings for every row; the ones at their off value are left out. `logit_bias` needs
-        `vocab_size` (its dense row is built here)."""
-        validate_sampling(temperature, top_k, top_p)
-        pen = processors.Penalties()
-        if repetition_penalty != 1.0:
-            pen = pen.replace(repetition=jnp.float32(repetition_penalty))
-        if frequency_penalty:
-            pen = pen.replace(frequency=jnp.float32(frequency_penalty))
-        if presence_penalty:
-            pen = pen.replace(presence=jnp.float32(presence_penalty))
-        if logit_bias:
-            if vocab_size is None:
-                raise UserError("logit_bias needs the vocabulary size")
-            pen = pen.replace(bias=jnp.zeros((vocab_size,), jnp.float32).at[jnp.asarray(list(logit_bias), jnp.int32)]
-                              .set(jnp.asarray(list(logit_bias.values()), jnp.float32)))
-        return cls(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
-                   jnp.float32(min_p) if min_p > 0 else None, pen if pen != processors.Penalties() else None)
-
-    @property
-    def tracks_tokens(self) -> bool:
-        """Whether a penalty reads the committed tokens (the state must count them)."""
-        return self.penalties is not None and self.penalties.tracks
-
-
-def sample_logits(logits: jax.Array, key: jax.Array, sampling: SamplingParams, counts=None, seen=None,
-                  log_probs: int = 0) -> tuple[jax.Array, jax.Array | None]:
-    """(tokens [B], reported log-probs [B, 1 + 2 * log_probs] or None) for the logits [B, V] of
-    one position: `processors.adjust` with the rows' token state, then `processors.sample`.
-    log_probs > 0: also the drawn token's log-probability under the processed distribution and
-    the `log_probs` most probable tokens (`processors.top_log_probs`)."""
-    pen = sampling.penalties
-    if pen is not None and counts is not None:
-        pen = pen.replace(counts=counts, seen=seen)
-    x = processors.adjust(logits, pen)
-    tok = processors.sample(x, key, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
-    if not log_probs:
-        return tok, None
-    lp = processors.reported_log_probs(x, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
-    return tok, processors.top_log_probs(lp, tok, log_probs)
 
 
 @flax.struct.dataclass
@@ -139,11 +83,6 @@ def pad_prompts_np(prompts: Sequence[Sequence[int]], pad_id: int = 0, bucket: in
     return arr, np.asarray([len(p) for p in prompts], np.int32)
 
 
-def _forward(graphdef, params, tokens, positions, cache, cache_index, attend_len=None, logits_at=None):
-    model = nnx.merge(graphdef, params)
-    return model(tokens, positions, cache=cache, cache_index=cache_index, attend_len=attend_len, logits_at=logits_at)
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
 def prefill(graphdef, params, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array,
             sampling: SamplingParams, settings: DecodeSettings) -> DecodeState:
@@ -158,25 +97,13 @@ def prefill_scored(graphdef, params, prompts: jax.Array, prompt_lengths: jax.Arr
     (`sample_logits`)."""
     b, p = prompts.shape
     total = p + settings.max_new_tokens
-    cache = init_cache(nnx.merge(graphdef, params).cfg, b, total)
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    # the prompt's queries see its own slots only: skip the rest of the cache; logits at its end only
-    logits, cache = _forward(graphdef, params, prompts, positions, cache, jnp.zeros((b,), jnp.int32), attend_len=p,
-                             logits_at=prompt_lengths - 1)
-    last = logits[:, 0]
-    key, sub = jax.random.split(key)
-    counts = seen = None
-    if settings.track_tokens:
-        counts, seen = processors.token_state(prompts, prompt_lengths, last.shape[-1])
-    tok, lp = sample_logits(last, sub, sampling, counts, seen, log_probs)
-    if settings.track_tokens and sampling.tracks_tokens:
-        counts, seen = processors.count_tokens(counts, seen, tok[:, None])
-    tokens = jnp.full((b, total), settings.pad_id, jnp.int32).at[:, :p].set(prompts)
-    tokens = jax.vmap(lambda row, i, t: row.at[i].set(t))(tokens, prompt_lengths, tok)
-    done = (tok == settings.eos_id) | (settings.max_new_tokens <= 1)
-    return DecodeState(tokens=tokens, lengths=prompt_lengths + 1, done=done,
-                       num_generated=jnp.ones((b,), jnp.int32), cache=cache, key=key,
-                       step=jnp.int32(1), counts=counts, seen=seen), lp
+    last, cache = prefill_cache(nnx.merge(graphdef, params), prompts, prompt_lengths, total)
+    first = first_token(last, prompts, prompt_lengths, key, sampling, total=total, pad_id=settings.pad_id,
+                        eos_id=settings.eos_id, max_new_tokens=settings.max_new_tokens,
+                        track_tokens=settings.track_tokens, log_probs=log_probs)
+    return DecodeState(tokens=first.tokens, lengths=prompt_lengths + 1, done=first.done,
+                       num_generated=jnp.ones((b,), jnp.int32), cache=cache, key=first.key,
+                       step=jnp.int32(1), counts=first.counts, seen=first.seen), first.log_probs
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"), donate_argnames=("state",))
@@ -193,7 +120,7 @@ def step(graphdef, params, state: DecodeState, sampling: SamplingParams, setting
     b = state.tokens.shape[0]
     pos = state.lengths - 1
     last = jnp.take_along_axis(state.tokens, pos[:, None], axis=1)
-    logits, cache = _forward(graphdef, params, last, pos[:, None], state.cache, pos)
+    logits, cache = nnx.merge(graphdef, params)(last, pos[:, None], cache=state.cache, cache_index=pos)
     key, sub = jax.random.split(state.key)
     tok, lp = sample_logits(logits[:, 0], sub, sampling, state.counts, state.seen, log_probs)
     active = ~state.done

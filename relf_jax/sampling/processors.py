@@ -35,8 +35,9 @@ NEG_INF = -jnp.inf
 def nucleus_mask(probs: jax.Array, top_p: jax.Array | float) -> jax.Array:
     """Top-p membership: x is kept iff the mass of tokens strictly more probable than x is < top_p.
 
-    probs: [..., V] float32 (normalised); top_p: a scalar or one value per row [...]. Returns bool [..., V]. Ties with the least probable
-    kept token are all kept; top_p >= 1 keeps every token with non-zero probability.
+    probs: [..., V] float32 (normalised); top_p: a scalar or one value per row [...]. Returns bool
+    [..., V]. Ties with the least probable kept token are all kept; top_p >= 1 keeps every token
+    with non-zero probability.
     """
     probs = probs.astype(jnp.float32)
     top_p = jnp.expand_dims(jnp.asarray(top_p, jnp.float32), -1)  # scalar or per row [...]

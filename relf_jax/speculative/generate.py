@@ -41,8 +41,9 @@ from flax import nnx
 from kernels_pallas import dispatch
 from relf_jax.config import validate_sampling
 from relf_jax.errors import UserError
-from relf_jax.models.causal_lm import init_cache
 from relf_jax.sampling import processors
+from relf_jax.sampling.params import SamplingParams
+from relf_jax.sampling.prefill import first_token, prefill_cache
 from relf_jax.speculative import ngram_draft
 from relf_jax.speculative.trace import empty_trace, record_round
 from relf_jax.speculative.verify import RULES, verify, verify_sparse
@@ -286,37 +287,35 @@ def _propose_ngram_candidates(table: ngram_draft.NgramDraft, state: SpecState, s
     return jnp.stack(toks, axis=1), jnp.stack(cands, axis=1), jnp.stack(lps, axis=1)
 
 
-def _round(target_graphdef, target_params, draft_graphdef, draft_params, state: SpecState, sp: SpecParams,
-           settings: SpecSettings) -> SpecState:
-    return round_scored(target_graphdef, target_params, draft_graphdef, draft_params, state, sp, settings)[0]
-
-
-def round_scored(target_graphdef, target_params, draft_graphdef, draft_params, state: SpecState, sp: SpecParams,
-                 settings: SpecSettings, log_probs: int = 0) -> tuple[SpecState, jax.Array | None]:
-    """One draft/verify round (traceable); with log_probs > 0 also [B, K+1, 1 + 2 * log_probs]:
-    at each of the K+1 positions, the token committed there (where one was) under the target's
-    processed distribution at that position and its `log_probs` most probable tokens
-    (`processors.top_log_probs` of `processors.reported_log_probs`)."""
-    k = settings.k
-    key, k_draft, k_verify = jax.random.split(state.key, 3)
-    lengths = state.lengths
+def _propose(target_graphdef, target_params, draft_graphdef, draft_params, state: SpecState, sp: SpecParams,
+             settings: SpecSettings, key):
+    """The round's K draft tokens [B, K] from the settings' proposer: (draft_tokens, draft_logits
+    [B, K, V] or None, candidates or None, draft_cache). The corpus n-gram table's drafts come as
+    candidates (ids [B, K, M], logits [B, K, M]) where they are verified sparse (`sparse_verify`)."""
     if settings.proposer == "draft":
         draft_tokens, draft_logits, draft_cache = _propose_draft(draft_graphdef, draft_params, state, sp, settings,
-                                                                 k_draft)
-    elif settings.proposer == "corpus_ngram":
+                                                                 key)
+        return draft_tokens, draft_logits, None, draft_cache
+    if settings.proposer == "corpus_ngram":
         if sparse_verify(settings):
-            draft_tokens, cands, cand_logits = _propose_ngram_candidates(draft_params, state, sp, settings, k_draft)
-            draft_logits = None
-        else:
-            draft_tokens, draft_logits = _propose_ngram(draft_params, state, sp, settings, k_draft)
-        draft_cache = state.draft_cache
-    else:
-        vocab = nnx.merge(target_graphdef, target_params).cfg.vocab_size
-        draft_tokens, draft_logits = _propose_lookup(state, settings, vocab)
-        draft_cache = state.draft_cache
+            draft_tokens, cands, cand_logits = _propose_ngram_candidates(draft_params, state, sp, settings, key)
+            return draft_tokens, None, (cands, cand_logits), state.draft_cache
+        draft_tokens, draft_logits = _propose_ngram(draft_params, state, sp, settings, key)
+        return draft_tokens, draft_logits, None, state.draft_cache
+    vocab = nnx.merge(target_graphdef, target_params).cfg.vocab_size
+    draft_tokens, draft_logits = _propose_lookup(state, settings, vocab)
+    return draft_tokens, draft_logits, None, state.draft_cache
+
+
+def _score_and_verify(target_graphdef, target_params, state: SpecState, sp: SpecParams, settings: SpecSettings,
+                      draft_tokens, draft_logits, candidates, key):
+    """The target's one forward over the last committed token and the K drafts, then `verify`
+    (or `verify_sparse` on candidates). Returns (VerifyResult, target_cache, the target's logits
+    as scored (processed: adjusted), the logits verified (processed: log-probs))."""
+    lengths = state.lengths
     last = _take(state.tokens, (lengths - 1)[:, None])
     feed = jnp.concatenate([last, draft_tokens], axis=1)  # [B, K+1]
-    positions = (lengths - 1)[:, None] + jnp.arange(k + 1)[None, :]
+    positions = (lengths - 1)[:, None] + jnp.arange(settings.k + 1)[None, :]
     target_logits, target_cache = _forward(target_graphdef, target_params, feed, positions, state.target_cache,
                                            lengths - 1)
     rules = {"rule": settings.rule, "temperature": sp.temperature, "top_k": settings.top_k, "top_p": sp.top_p,
@@ -331,10 +330,17 @@ def round_scored(target_graphdef, target_params, draft_graphdef, draft_params, s
         target_logits = processors.log_probs(scored, *_knobs(sp, settings))
         # both sides are processed log-probs now: the rule alone (temperature 1, no filters)
         rules.update(temperature=1.0, top_k=0, top_p=None)
-    if draft_logits is None:  # the n-gram table's candidates, unscattered
-        res = verify_sparse(target_logits, cands, cand_logits, draft_tokens, k_verify, **rules)
+    if candidates is not None:  # the n-gram table's candidates, unscattered
+        res = verify_sparse(target_logits, *candidates, draft_tokens, key, **rules)
     else:
-        res = verify(target_logits, draft_logits, draft_tokens, k_verify, use_kernel=settings.use_kernel, **rules)
+        res = verify(target_logits, draft_logits, draft_tokens, key, use_kernel=settings.use_kernel, **rules)
+    return res, target_cache, scored, target_logits
+
+
+def _committed(state: SpecState, res, draft_tokens, settings: SpecSettings):
+    """What each row commits: (cand [B, K+1] the accepted drafts then the emitted token, count [B]
+    committed tokens (cut after EOS, at max_new_tokens, 0 for done rows), first_eos [B])."""
+    k = settings.k
     n = res.num_accepted
     idx = jnp.arange(k + 1)[None, :]
     cand = jnp.concatenate([draft_tokens, jnp.full_like(draft_tokens[:, :1], settings.pad_id)], axis=1)
@@ -344,18 +350,38 @@ def round_scored(target_graphdef, target_params, draft_graphdef, draft_params, s
     first_eos = jnp.min(jnp.where(is_eos, idx, k + 1), axis=1)
     count = jnp.minimum(count, first_eos + 1)
     count = jnp.minimum(count, settings.max_new_tokens - state.num_generated)
-    active = ~state.done
-    count = jnp.where(active, count, 0)
+    return cand, jnp.where(~state.done, count, 0), first_eos
 
+
+def _write(tokens, lengths, cand, count, k: int):
+    """Write each row's first `count` of cand [B, K+1] at its length."""
     def write(row, start, new, c):
         old = jax.lax.dynamic_slice(row, (start,), (k + 1,))
         return jax.lax.dynamic_update_slice(row, jnp.where(jnp.arange(k + 1) < c, new, old), (start,))
 
-    tokens = jax.vmap(write)(state.tokens, lengths, cand, count)
+    return jax.vmap(write)(tokens, lengths, cand, count)
+
+
+def round_scored(target_graphdef, target_params, draft_graphdef, draft_params, state: SpecState, sp: SpecParams,
+                 settings: SpecSettings, log_probs: int = 0) -> tuple[SpecState, jax.Array | None]:
+    """One draft/verify round (traceable): the new state; with log_probs > 0 also
+    [B, K+1, 1 + 2 * log_probs]: at each of the K+1 positions, the token committed there (where
+    one was) under the target's processed distribution at that position and its `log_probs` most
+    probable tokens (`processors.top_log_probs` of `processors.reported_log_probs`)."""
+    k = settings.k
+    key, k_draft, k_verify = jax.random.split(state.key, 3)
+    lengths = state.lengths
+    draft_tokens, draft_logits, candidates, draft_cache = _propose(
+        target_graphdef, target_params, draft_graphdef, draft_params, state, sp, settings, k_draft)
+    res, target_cache, scored, target_logits = _score_and_verify(
+        target_graphdef, target_params, state, sp, settings, draft_tokens, draft_logits, candidates, k_verify)
+    n = res.num_accepted
+    cand, count, first_eos = _committed(state, res, draft_tokens, settings)
+    active = ~state.done
     num_generated = state.num_generated + count
     counts, seen = state.counts, state.seen
     if counts is not None and sp.penalties is not None and sp.penalties.tracks:
-        counts, seen = processors.count_tokens(counts, seen, cand, idx < count[:, None])
+        counts, seen = processors.count_tokens(counts, seen, cand, jnp.arange(k + 1)[None, :] < count[:, None])
     lp = None
     if log_probs:
         lp = processors.top_log_probs(processors.reported_log_probs(scored, *_knobs(sp, settings)), cand, log_probs)
@@ -369,70 +395,49 @@ def round_scored(target_graphdef, target_params, draft_graphdef, draft_params, s
                              top_k=0 if sp.processed else settings.top_k, top_p=None if sp.processed else sp.top_p)
     act = active.astype(jnp.int32)
     accepted_at = state.accepted_at + jnp.sum((n[:, None] > jnp.arange(k)[None, :]) & active[:, None], axis=0)
-    return SpecState(tokens=tokens, lengths=lengths + count, done=done, num_generated=num_generated,
-                     target_cache=target_cache, draft_cache=draft_cache, key=key, rounds=state.rounds + 1,
-                     target_forwards=state.target_forwards + act,
+    return SpecState(tokens=_write(state.tokens, lengths, cand, count, k), lengths=lengths + count, done=done,
+                     num_generated=num_generated, target_cache=target_cache, draft_cache=draft_cache, key=key,
+                     rounds=state.rounds + 1, target_forwards=state.target_forwards + act,
                      accepted=state.accepted + jnp.where(active, jnp.minimum(n, count), 0),
                      accepted_at=accepted_at.astype(jnp.int32),
                      active_rounds=state.active_rounds + jnp.sum(act), trace=trace, counts=counts, seen=seen), lp
 
 
-def _prefill(target_graphdef, target_params, draft_graphdef, draft_params, prompts, prompt_lengths, key,
-             sp: SpecParams, settings: SpecSettings) -> SpecState:
-    return prefill_scored(target_graphdef, target_params, draft_graphdef, draft_params, prompts, prompt_lengths,
-                          key, sp, settings)[0]
-
-
 def prefill_scored(target_graphdef, target_params, draft_graphdef, draft_params, prompts, prompt_lengths, key,
                    sp: SpecParams, settings: SpecSettings, log_probs: int = 0) -> tuple[SpecState, jax.Array | None]:
-    """The prompts' prefill and first token (traceable); with log_probs > 0 also the first
+    """The prompts' prefill (`relf_jax.sampling.prefill`: the target's, and the draft model's
+    cache) and first token (traceable): the first state; with log_probs > 0 also the first
     token's reported log-probs [B, 1 + 2 * log_probs] (`round_scored`)."""
-    from relf_jax.sampling.autoregressive import SamplingParams, sample_logits
-
     b, p = prompts.shape
     total = p + settings.max_new_tokens + settings.k + 1
-    tcfg = nnx.merge(target_graphdef, target_params).cfg
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    zero = jnp.zeros((b,), jnp.int32)
-    # the prompt's queries see its own slots only (attend_len): skip the rest of the caches; the
-    # target's logits at the prompt's end only
-    logits, tcache = _forward(target_graphdef, target_params, prompts, positions, init_cache(tcfg, b, total), zero,
-                              attend_len=p, logits_at=prompt_lengths - 1)
+    target = nnx.merge(target_graphdef, target_params)
+    last, tcache = prefill_cache(target, prompts, prompt_lengths, total)
+    dcache = ()
     if settings.proposer == "draft":
-        dcfg = nnx.merge(draft_graphdef, draft_params).cfg
-        _, dcache = _forward(draft_graphdef, draft_params, prompts, positions, init_cache(dcfg, b, total), zero,
-                             attend_len=p)
-    else:
-        dcache = ()
-    last = logits[:, 0]
-    key, sub = jax.random.split(key)
-    counts = seen = None
-    if settings.track_tokens:
-        counts, seen = processors.token_state(prompts, prompt_lengths, last.shape[-1])
+        _, dcache = prefill_cache(nnx.merge(draft_graphdef, draft_params), prompts, prompt_lengths, total,
+                                  logits=False)
     t, top_k, top_p, min_p = _knobs(sp, settings)
-    sampling = SamplingParams(t, top_k, top_p, min_p, sp.penalties)
-    tok, lp = sample_logits(last, sub, sampling, counts, seen, log_probs)
-    if counts is not None and sampling.tracks_tokens:
-        counts, seen = processors.count_tokens(counts, seen, tok[:, None])
-    tokens = jnp.full((b, total), settings.pad_id, jnp.int32).at[:, :p].set(prompts)
-    tokens = jax.vmap(lambda row, i, t: row.at[i].set(t))(tokens, prompt_lengths, tok)
-    done = (tok == settings.eos_id) | (settings.max_new_tokens <= 1)
-    return SpecState(tokens=tokens, lengths=prompt_lengths + 1, done=done, num_generated=jnp.ones((b,), jnp.int32),
-                     target_cache=tcache, draft_cache=dcache, key=key, rounds=jnp.int32(0),
-                     target_forwards=jnp.ones((b,), jnp.int32), accepted=jnp.zeros((b,), jnp.int32),
-                     accepted_at=jnp.zeros((settings.k,), jnp.int32), active_rounds=jnp.int32(0),
-                     trace=empty_trace(settings.max_new_tokens, b, settings.k, min(settings.trace_top_k, tcfg.vocab_size))
-                     if settings.trace_top_k else (), counts=counts, seen=seen), lp
+    first = first_token(last, prompts, prompt_lengths, key, SamplingParams(t, top_k, top_p, min_p, sp.penalties),
+                        total=total, pad_id=settings.pad_id, eos_id=settings.eos_id,
+                        max_new_tokens=settings.max_new_tokens, track_tokens=settings.track_tokens,
+                        log_probs=log_probs)
+    trace = (empty_trace(settings.max_new_tokens, b, settings.k, min(settings.trace_top_k, target.cfg.vocab_size))
+             if settings.trace_top_k else ())
+    return SpecState(tokens=first.tokens, lengths=prompt_lengths + 1, done=first.done,
+                     num_generated=jnp.ones((b,), jnp.int32), target_cache=tcache, draft_cache=dcache, key=first.key,
+                     rounds=jnp.int32(0), target_forwards=jnp.ones((b,), jnp.int32),
+                     accepted=jnp.zeros((b,), jnp.int32), accepted_at=jnp.zeros((settings.k,), jnp.int32),
+                     active_rounds=jnp.int32(0), trace=trace, counts=first.counts, seen=first.seen), first.log_probs
 
 
 @functools.partial(jax.jit, static_argnames=("target_graphdef", "draft_graphdef", "settings"))
 def _generate(target_graphdef, target_params, draft_graphdef, draft_params, prompts, prompt_lengths, key, sp,
               settings):
-    state = _prefill(target_graphdef, target_params, draft_graphdef, draft_params, prompts, prompt_lengths, key,
-                     sp, settings)
+    state = prefill_scored(target_graphdef, target_params, draft_graphdef, draft_params, prompts, prompt_lengths,
+                           key, sp, settings)[0]
     return jax.lax.while_loop(
         lambda s: (s.rounds < settings.max_new_tokens) & ~jnp.all(s.done),
-        lambda s: _round(target_graphdef, target_params, draft_graphdef, draft_params, s, sp, settings),
+        lambda s: round_scored(target_graphdef, target_params, draft_graphdef, draft_params, s, sp, settings)[0],
         state)
 
 
