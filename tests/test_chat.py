@@ -5,7 +5,8 @@ import json
 import pytest
 
 from relf_jax.errors import UserError
-from relf_jax.serving.chat import ChatModel, ChatTemplate
+from relf_jax.serving.chat import ChatModel
+from relf_jax.serving.chat_template import ChatTemplate
 from relf_jax.serving.engines import MockEngine
 
 
@@ -72,7 +73,7 @@ def test_jinja_templates_render_as_transformers_does(tmp_path):
 
 
 def test_chat_model_uses_the_tokenizers_template_and_defaults():
-    from relf_jax.serving.chat import encode_chat
+    from relf_jax.serving.chat_template import encode_chat
     from relf_jax.serving.engines import ByteTokenizer
 
     class ChatBytes(ByteTokenizer):  # a template, special tokens and defaults of its own

@@ -25,7 +25,7 @@ from relf_jax.data.tokenizer import (
 )
 from relf_jax.errors import UserError
 from relf_jax.export import hf
-from relf_jax.serving.chat import ChatTemplate, check_messages, encode_chat
+from relf_jax.serving.chat_template import ChatTemplate, check_messages, encode_chat
 
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
@@ -440,14 +440,14 @@ def test_cli_serve_model_takes_an_hf_folder(monkeypatch, qwen_model):
     import torch
 
     from experiments.launch import main
-    from relf_jax.serving import server
+    from relf_jax.serving import http, loading
     from tests._serving import live_server
 
     path, model = qwen_model
-    built, real_build = {}, server.build_models
+    built, real_build = {}, loading.build_models
     # the engine compiles on first use instead of for every span up front (the CLI's warm-up)
-    monkeypatch.setattr(server, "build_models", lambda *a, **kw: real_build(*a, **{**kw, "warmup": False}))
-    monkeypatch.setattr(server, "serve", lambda models, **kw: built.update(models))
+    monkeypatch.setattr(loading, "build_models", lambda *a, **kw: real_build(*a, **{**kw, "warmup": False}))
+    monkeypatch.setattr(http, "serve", lambda models, **kw: built.update(models))
     assert main(["serve", "--model", path, "--slots", "2"]) == 0
     assert list(built) == ["model"]
     ref = transformers.AutoTokenizer.from_pretrained(path)

@@ -121,7 +121,7 @@ def test_corpus_ngram_proposer_from_the_command_line_and_the_engine(capsys, cb_r
     next to the model, and the serving engine reads the same table."""
     import glob
 
-    from relf_jax.serving.chat import load_engine
+    from relf_jax.serving.loading import load_engine
 
     rc, out, err = _run(capsys, "sample", "--workdir", cb_run, "--prompt", "<user> hello <assistant>",
                         "sample.max_new_tokens=8", "sample.num_samples=2", "speculative.rule=standard",

@@ -37,7 +37,7 @@ def hf_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(hf_folder):
-    from relf_jax.serving.server import build_models
+    from relf_jax.serving.loading import build_models
 
     path = hf_folder[0]
     models = build_models(path, ["ar", "standard"], model_name="qwen", slots=4, warmup=False, proposer="prompt_lookup",
@@ -129,7 +129,7 @@ def test_chat_logprobs_streamed_and_whole_and_greedy_speculative_agree(served, h
     # the prompt ids the server built, from the usage's count and the tokenizer's chat rendering
     prompt_len = client.chat.completions.create(model="qwen", messages=msgs, max_tokens=1).usage.prompt_tokens
     reply = _ids(tokenizer, [c.token for c in a.logprobs.content])
-    from relf_jax.serving.chat import ChatTemplate, encode_chat
+    from relf_jax.serving.chat_template import ChatTemplate, encode_chat
 
     engine = served[1][0].engine
     prompt = encode_chat(engine.tokenizer, ChatTemplate.for_tokenizer(engine.tokenizer), msgs)

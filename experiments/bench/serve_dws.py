@@ -13,8 +13,8 @@ import numpy as np
 from experiments.bench.dws import bench_dws
 from experiments.bench.serve_client import chat_bodies, run_load, summarize_run
 from experiments.bench.serve_servers import ServerProcess, batch1_run
-from relf_jax import workflows
 from relf_jax.dws.predictor import WorkloadCost
+from relf_jax.loading import load_model
 from relf_jax.serving.http import serve
 from relf_jax.serving.loading import build_models
 from relf_jax.serving.scheduler import FCFS, SJF, aging_for
@@ -50,7 +50,7 @@ def ensure_dws(workdir: str, quick: bool) -> tuple[str, str]:
 def policies_server_child(spec: dict) -> None:
     """A server with one block-diffusion engine per policy, as model ids "fcfs" and "sjf" (SJF on
     the DWS predicted cost, with `spec["aging"]`): what `relf-jax serve --policy ...` builds, twice."""
-    cost = WorkloadCost(workflows.load_model(spec["predictor"], "dws"), spec["cost_model"])
+    cost = WorkloadCost(load_model(spec["predictor"], "dws"), spec["cost_model"])
     models = {}
     for policy in ("fcfs", "sjf"):
         models.update(build_models(spec["workdir"], ["bd"], model_name=policy, slots=1, max_queue=spec["max_queue"],
@@ -62,8 +62,8 @@ def dws_part(workdir: str, quick: bool, sz, prompts, logs: str) -> dict:
     """Part 3 on the first `sz.dws_requests` prompts: the report's "dws_batch1" and "dws" entries."""
     predictor_dir, dws_report = ensure_dws(workdir, quick)
     bd_dir = os.path.join(workdir, "dws")
-    cost = WorkloadCost(workflows.load_model(predictor_dir, "dws"), dws_report)
-    bd_tok = workflows.load_model(bd_dir, "bd").tokenizer
+    cost = WorkloadCost(load_model(predictor_dir, "dws"), dws_report)
+    bd_tok = load_model(bd_dir, "bd").tokenizer
     dws_prompts = prompts[:sz.dws_requests]
     predicted = np.asarray([c["dws_cost"] for c in cost.batch([[bd_tok.bos_id] + bd_tok.encode(p.text)
                                                                for p in dws_prompts])])

@@ -62,10 +62,10 @@ def _cost_fn(args):
         return None
     if not (args.dws_predictor and args.dws_cost_model):
         raise UserError("--dws-predictor and --dws-cost-model go together")
-    from relf_jax import workflows
     from relf_jax.dws.predictor import WorkloadCost
+    from relf_jax.loading import load_model
 
-    return WorkloadCost(workflows.load_model(args.dws_predictor, "dws"), args.dws_cost_model)
+    return WorkloadCost(load_model(args.dws_predictor, "dws"), args.dws_cost_model)
 
 
 def serve(args) -> int:
