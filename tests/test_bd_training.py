@@ -10,9 +10,9 @@ import pytest
 from flax import nnx
 
 from relf_jax.config import make_config
-from relf_jax.dws import decoding as dec
 from relf_jax.models import build_model
 from relf_jax.models.block_diffusion import packed_training_mask, training_mask
+from relf_jax.sampling import block_diffusion as bds
 from relf_jax.train.objectives import block_ids, masked_diffusion_loss
 
 V, D = 40, 4
@@ -97,15 +97,15 @@ def test_max_confidence_picks_positions_from_the_distributions(bd):
     want = int(np.argmax(np.asarray(jax.nn.softmax(logits, -1)).max(-1)[0]))
     picks_max, picks_sampled = set(), set()
     for i in range(20):
-        c, _ = dec.confidence_commit(logits, masked, 0.95, temperature=1.0, key=jax.random.key(i), confidence="max")
+        c, _ = bds.confidence_commit(logits, masked, 0.95, temperature=1.0, key=jax.random.key(i), confidence="max")
         picks_max.add(int(np.asarray(c)[0].nonzero()[0][0]))
-        c, _ = dec.confidence_commit(logits, masked, 0.95, temperature=1.0, key=jax.random.key(i),
+        c, _ = bds.confidence_commit(logits, masked, 0.95, temperature=1.0, key=jax.random.key(i),
                                      confidence="sampled")
         picks_sampled.add(int(np.asarray(c)[0].nonzero()[0][0]))
     assert picks_max == {want}
     assert len(picks_sampled) > 1
     with pytest.raises(ValueError):
-        dec.confidence_commit(logits, masked, 0.95, confidence="nope")
+        bds.confidence_commit(logits, masked, 0.95, confidence="nope")
 
 
 def test_defaults_are_the_new_ones():
@@ -114,7 +114,7 @@ def test_defaults_are_the_new_ones():
     assert row_mode(make_config("cpu", ["model=bd"])) == "segments"  # packed, block-aligned rows
     assert row_mode(make_config("cpu", ["model=bd", "data.rows=documents"])) == "documents"  # the old layout
     assert make_config("cpu").sample.confidence == "max"
-    assert dec.BlockDecodeSettings(block_size=4, max_blocks=1, mask_id=V, pad_id=0, stop_ids=(1,)).confidence == "max"
+    assert bds.BlockDecodeSettings(block_size=4, max_blocks=1, mask_id=V, pad_id=0, stop_ids=(1,)).confidence == "max"
 
 
 def test_block_aligned_segment_rows(tmp_path):

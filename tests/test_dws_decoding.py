@@ -14,6 +14,7 @@ from relf_jax.dws import decoding as dec
 from relf_jax.dws.surface import check_surface, empirical_surface
 from relf_jax.models import build_model
 from relf_jax.models.block_diffusion import decode_mask, training_mask
+from relf_jax.sampling import block_diffusion as bds
 from relf_jax.train.objectives import masked_diffusion_loss
 
 V, D = 40, 4
@@ -27,7 +28,7 @@ def bd():
 
 def settings(**kw):
     base = {"block_size": D, "max_blocks": 5, "mask_id": V, "pad_id": 0, "stop_ids": (1,), "threshold": 0.95}
-    return dec.BlockDecodeSettings(**{**base, **kw})
+    return bds.BlockDecodeSettings(**{**base, **kw})
 
 
 def _logits(conf_rows):
@@ -46,11 +47,11 @@ def test_commit_rule_on_hand_made_logits():
                       [0.99, 0.99, 0.5, 0.8],   # the confident ones are already committed
                       [0.99, 0.99, 0.99, 0.99]])  # nothing masked
     masked = jnp.asarray([[1, 1, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 0]], bool)
-    commit, tokens = dec.confidence_commit(logits, masked, 0.95)
+    commit, tokens = bds.confidence_commit(logits, masked, 0.95)
     np.testing.assert_array_equal(np.asarray(commit), [[1, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 1], [0, 0, 0, 0]])
     np.testing.assert_array_equal(np.asarray(tokens)[0], [5, 6, 7, 30])  # argmax token (30 where c < 0.5)
     # exactly at the threshold is not above it
-    commit, _ = dec.confidence_commit(_logits([[0.95, 0.96, 0.1, 0.1]]), jnp.ones((1, 4), bool), 0.95)
+    commit, _ = bds.confidence_commit(_logits([[0.95, 0.96, 0.1, 0.1]]), jnp.ones((1, 4), bool), 0.95)
     np.testing.assert_array_equal(np.asarray(commit), [[0, 1, 0, 0]])
 
 
@@ -58,13 +59,13 @@ def test_sampled_tokens_follow_the_tempered_distribution():
     """With temperature > 0 the committed token is a sample of softmax(logits / T)."""
     p = np.asarray([0.5, 0.3, 0.2] + [0.0] * (V - 3))
     logits = jnp.log(jnp.asarray(np.broadcast_to(p, (4000, 1, V)) + 1e-30, jnp.float32))
-    commit, tokens = dec.confidence_commit(logits, jnp.ones((4000, 1), bool), 0.95, temperature=1.0,
+    commit, tokens = bds.confidence_commit(logits, jnp.ones((4000, 1), bool), 0.95, temperature=1.0,
                                            key=jax.random.key(3))
     assert np.asarray(commit).all()  # the single masked position is always committed
     freq = np.bincount(np.asarray(tokens)[:, 0], minlength=3)[:3] / 4000
     np.testing.assert_allclose(freq, p[:3], atol=0.03)  # 4000 draws: std <= 0.008
     with pytest.raises(ValueError):
-        dec.confidence_commit(logits, jnp.ones((4000, 1), bool), 0.95, temperature=1.0)
+        bds.confidence_commit(logits, jnp.ones((4000, 1), bool), 0.95, temperature=1.0)
 
 
 def test_training_mask_shape():
@@ -89,9 +90,9 @@ def test_decode_forward_matches_training_pass(bd):
         model = nnx.merge(graphdef, p)
         want = model.training_logits(noisy, clean)[:, 8:12]
         # prefill the first 5 tokens, "commit" tokens 5..7 (block 1) and refresh, then denoise block 2
-        cache = dec._prefill(model, clean[:, :8], jnp.asarray([5, 5]), 16, s)
-        _, cache = dec._forward(model, cache, clean[:, 4:8], jnp.asarray([4, 4]), s)
-        got, _ = dec._forward(model, cache, noisy[:, 8:12], jnp.asarray([8, 8]), s)
+        cache = bds.prefill(model, clean[:, :8], jnp.asarray([5, 5]), 16, s)
+        _, cache = bds.forward_block(model, cache, clean[:, 4:8], jnp.asarray([4, 4]), s)
+        got, _ = bds.forward_block(model, cache, noisy[:, 8:12], jnp.asarray([8, 8]), s)
         return got, want
 
     got, want = both(params)
@@ -102,9 +103,9 @@ def test_generate_invariants_and_instrumented_agree(bd):
     _, (graphdef, params) = bd
     prompts = [[2, 5, 6, 7, 8, 9], [2, 5, 6], [2, 5, 6, 7], [2]]
     s = settings(threshold=0.5)
-    arr, plen = dec.pad_prompts(prompts, 0, D)
-    st = jax.device_get(dec.generate(graphdef, params, arr, plen, s))
-    outs = dec.outputs(st, plen)
+    arr, plen = bds.pad_prompts(prompts, 0, D)
+    st = jax.device_get(bds.generate(graphdef, params, arr, plen, s))
+    outs = bds.outputs(st, plen)
     logs = []
     for i, p in enumerate(prompts):
         nb = int(st.num_blocks[i])
@@ -131,13 +132,13 @@ def test_generate_invariants_and_instrumented_agree(bd):
 def test_stop_token_ends_decoding(bd):
     _, (graphdef, params) = bd
     prompts = [[2, 5, 6], [2, 7, 8, 9, 10]]
-    arr, plen = dec.pad_prompts(prompts, 0, D)
-    free = jax.device_get(dec.generate(graphdef, params, arr, plen, settings(stop_ids=(V - 1,), threshold=0.5)))
+    arr, plen = bds.pad_prompts(prompts, 0, D)
+    free = jax.device_get(bds.generate(graphdef, params, arr, plen, settings(stop_ids=(V - 1,), threshold=0.5)))
     assert (free.num_blocks == 5).all()  # nothing stops it: max_blocks
-    first = dec.outputs(free, plen)[0]
+    first = bds.outputs(free, plen)[0]
     stop = first[2]  # make the third output token a stop token
-    st = jax.device_get(dec.generate(graphdef, params, arr, plen, settings(stop_ids=(stop,), threshold=0.5)))
-    out = dec.outputs(st, plen)[0]
+    st = jax.device_get(bds.generate(graphdef, params, arr, plen, settings(stop_ids=(stop,), threshold=0.5)))
+    out = bds.outputs(st, plen)[0]
     assert out[-1] == stop and stop not in out[:-1]
     assert out == first[: first.index(stop) + 1]
     assert st.num_blocks[0] == 1 + (first.index(stop) >= D - 3)
@@ -165,7 +166,7 @@ def test_bad_settings():
     with pytest.raises(ValueError):
         settings(stop_ids=())
     with pytest.raises(ValueError):
-        dec.pad_prompts([[]], 0, D)
+        bds.pad_prompts([[]], 0, D)
 
 
 def test_decode_mask_block_causal():

@@ -1,5 +1,5 @@
 """`BlockDiffusionEngine`: one committed block per step (confidence-threshold decoding of
-`relf_jax.dws.decoding`)."""
+`relf_jax.sampling.block_diffusion`)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class _BDSlot:
 
 
 class BlockDiffusionEngine(Engine):
-    """One committed block per step per slot (`relf_jax.dws.decoding`'s confidence-threshold rule).
+    """One committed block per step per slot (`relf_jax.sampling.block_diffusion`'s confidence-threshold rule).
 
     Each step runs, for every occupied slot in lockstep, the denoising steps its current block
     needs (a slot whose block is done idles until the others finish theirs), then the refresh
@@ -39,8 +39,8 @@ class BlockDiffusionEngine(Engine):
     """
 
     def __init__(self, lm, num_slots: int = 8, *, threshold: float = 0.95, name: str = "bd"):
-        from relf_jax.dws import decoding as bdd
         from relf_jax.models.block_diffusion import mask_id
+        from relf_jax.sampling import block_diffusion as bdd
 
         if lm.model_cfg.family != "bd":
             raise UserError(f"the block-diffusion engine needs a 'bd' model, got {lm.model_cfg.family!r}")
@@ -87,9 +87,9 @@ class BlockDiffusionEngine(Engine):
     def _prefix_data(self, params, prompts, prompt_len, seed, temperature):
         """One padded prompt's slot data (its prefilled cache): traced, the seed's key made inside."""
         bdd = self._bdd
-        cache = bdd._prefill_jit(self.lm.graphdef, self._weights.tree(params), prompts, prompt_len, canvas_len=self.max_context,
-                                 settings=self.settings)
-        return _BDSlot(canvas=bdd._canvas(prompts, self.max_context, self.tokenizer.pad_id), cache=cache,
+        cache = bdd.prefill_jit(self.lm.graphdef, self._weights.tree(params), prompts, prompt_len,
+                                canvas_len=self.max_context, settings=self.settings)
+        return _BDSlot(canvas=bdd.make_canvas(prompts, self.max_context, self.tokenizer.pad_id), cache=cache,
                        prompt_len=prompt_len, blocks=jnp.int32(0), done=jnp.zeros((1,), bool),
                        key=jax.random.key_data(jax.random.key(seed)), temperature=temperature)
 
@@ -113,31 +113,16 @@ class BlockDiffusionEngine(Engine):
 
         def one(sl: _BDSlot):
             active = ~sl.done
-            start = bdd._block_start(sl.prompt_len, sl.blocks, settings)
-            block, is_masked = bdd._open_block(sl.canvas, sl.prompt_len, start, settings)
-            is_masked &= active[:, None]
-
-            def body(c):
-                cache, block, is_masked, key = c
-                key, sub = jax.random.split(key)
-                logits, cache = bdd._forward(model, cache, block, start, settings)
-                commit, toks = bdd.confidence_commit(logits, is_masked, settings.threshold,
-                                                     temperature=sl.temperature, key=sub,
-                                                     confidence=settings.confidence)
-                return cache, jnp.where(commit, toks, block), is_masked & ~commit, key
-
-            key = jax.random.wrap_key_data(sl.key)
-            cache, block, _, key = jax.lax.while_loop(lambda c: c[2].any(), body,
-                                                      (sl.cache, block, is_masked, key))
-            _, cache = bdd._forward(model, cache, block, start, settings)
-            canvas, stop_pos = bdd._close_block(sl.canvas, block, start, sl.prompt_len, active, settings)
+            out = bdd.decode_block(model, sl.cache, sl.canvas, sl.prompt_len, sl.blocks, active,
+                                   jax.random.wrap_key_data(sl.key), settings, temperature=sl.temperature)
+            canvas, block, start, stop_pos = out.canvas, out.block, out.start, out.stop_pos
             lo = jnp.maximum(start, sl.prompt_len) - start
             hi = jnp.where(stop_pos >= 0, stop_pos + 1 - start, d)
             full = start + 2 * d > self.max_context
             done = sl.done | (active & ((stop_pos >= 0) | full))
-            new = _BDSlot(canvas=canvas, cache=cache, prompt_len=sl.prompt_len,
+            new = _BDSlot(canvas=canvas, cache=out.cache, prompt_len=sl.prompt_len,
                           blocks=sl.blocks + active[0].astype(jnp.int32), done=done,
-                          key=jax.random.key_data(key), temperature=sl.temperature)
+                          key=jax.random.key_data(out.key), temperature=sl.temperature)
             row = jnp.stack([jnp.where(active, lo, 0)[0], jnp.where(active, hi, 0)[0], (active & done)[0]])
             return new, jnp.concatenate([block[0], row.astype(block.dtype)])
 
