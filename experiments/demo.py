@@ -3,7 +3,7 @@ it, a ReLF flow model and a block-diffusion model) on the built-in corpus, sampl
 speculative with the draft and with the corpus n-gram table, ReLF, block diffusion), measure,
 report.
 
-Composition only: every step is a `relf_jax.workflows` call a Colab user can make too. Writes
+Composition only: every step is a library call a Colab user can make too. Writes
 ``report.json``, ``report.md`` and PNG plots into the workdir; a second run reuses the data,
 tokenizer and trained checkpoint it finds there.
 """
@@ -15,20 +15,36 @@ import os
 import time
 from typing import Optional, Sequence
 
-from relf_jax import workflows
+import relf_jax as rj
 from relf_jax.config import SpeculativeConfig, make_config
+from relf_jax.data.prepare import prepare_data
+from relf_jax.data.tokenizer import encode_prompt
 from relf_jax.eval.baselines import positional_unigram_samples
+from relf_jax.eval.evaluate import data_reference, evaluate_samples, exact_judge
+from relf_jax.flow.generate import sample_relf
+from relf_jax.flow.recipes import reflow
+from relf_jax.io import write_json
+from relf_jax.loading import load_model
+from relf_jax.sampling.recipes import sample_bd
+from relf_jax.speculative.recipes import sample, train_draft
 from relf_jax.train.metrics import read_metrics
 
 AR_TEMPERATURES = (1.0, 0.8)
 RELF_REFLOW_PAIRS = 64
+UNIGRAM_REFERENCE = "positional unigram (reference)"
+
+
+def _row(method: str, nfe, q: dict, *, tokens_per_s="quality", **extra) -> dict:
+    """One table row from a quality report `q` (`evaluate_samples`); `extra` (e.g. tau)
+    goes after tokens/s."""
+    return {"method": method, "nfe": nfe, "gen_ppl": q["gen_ppl"], "entropy": q["entropy"],
+            "tokens_per_s": q["tokens_per_s"] if tokens_per_s == "quality" else tokens_per_s, **extra,
+            "distinct_2": q["distinct_2"], "mean_tokens": q["mean_tokens"]}
 
 
 def _relf_row(lm, judge, n: int, label: str, *, nfe: int, sampler: str) -> dict:
-    s = workflows.sample_relf(lm, n, nfe=nfe, sampler=sampler)
-    q = workflows.evaluate_samples(s, judge)
-    return {"method": label, "nfe": nfe, "gen_ppl": q["gen_ppl"], "entropy": q["entropy"],
-            "tokens_per_s": q["tokens_per_s"], "distinct_2": q["distinct_2"], "mean_tokens": q["mean_tokens"]}
+    s = sample_relf(lm, n, nfe=nfe, sampler=sampler)
+    return _row(label, nfe, evaluate_samples(s, judge))
 
 
 RCSD_CYCLES, RCSD_PROMPTS, RCSD_STEPS = 4, 16, 15
@@ -46,7 +62,7 @@ def _rcsd_draft(lm, draft, judge, workdir: str, *, quick: bool):
                                  max_new_tokens=min(48, context - prompt_len - k - 1), batch_size=8,
                                  learning_rate=1e-3)
     texts = [info["prompt"] for info in judge.grammar.sample_with_info(cycles * RCSD_PROMPTS, 31337)]
-    ids = [workflows.encode_prompt(lm.tokenizer, t) for t in texts]
+    ids = [encode_prompt(lm.tokenizer, t) for t in texts]
     trainer = ContinualDraftTrainer(lm, draft, workdir, settings)
     trainer.run([ids[c * RCSD_PROMPTS:(c + 1) * RCSD_PROMPTS] for c in range(cycles)])
     return dataclasses.replace(draft, params=trainer.params)
@@ -60,85 +76,21 @@ def run_demo(quick: bool = False, workdir: Optional[str] = None, overrides: Sequ
     t_start = time.perf_counter()
 
     print(f"[demo] preset={preset} workdir={os.path.abspath(workdir)}")
-    result = workflows.train_lm(cfg)
-    lm = workflows.load_model(cfg.workdir, "ar")
-    judge = workflows.exact_judge(cfg)
+    result = rj.train(cfg)
+    lm = load_model(cfg.workdir, "ar")
+    judge = exact_judge(cfg)
     sc = cfg.sample
-
-    rows = []
-    ref = workflows.data_reference(cfg, lm.tokenizer, judge, n=sc.num_samples, max_tokens=sc.max_new_tokens)
-    rows.append({"method": "data", "nfe": None, "gen_ppl": ref["gen_ppl"], "entropy": ref["entropy"],
-                 "tokens_per_s": None, "distinct_2": ref["distinct_2"], "mean_tokens": ref["mean_tokens"]})
-    for temperature in AR_TEMPERATURES:
-        s = workflows.sample(lm, sample_cfg=dataclasses.replace(sc, temperature=temperature))
-        q = workflows.evaluate_samples(s, judge)
-        rows.append({"method": f"ar T={temperature:g}", "nfe": round(s.tokens / len(s.texts), 1),
-                     "gen_ppl": q["gen_ppl"], "entropy": q["entropy"], "tokens_per_s": q["tokens_per_s"],
-                     "distinct_2": q["distinct_2"], "mean_tokens": q["mean_tokens"]})
-        if temperature == 1.0:
-            examples = s.texts[:3]
-
-    # speculative decoding with a distilled draft (trained once, cached in <workdir>/draft)
-    workflows.train_draft(cfg.workdir, [f"train.steps={max(1, cfg.train.steps // 2)}"])
-    draft = workflows.load_model(os.path.join(cfg.workdir, "draft"), "ar")
-    # ... and NSD with the corpus n-gram table (no draft network: next-token counts of the data)
-    for rule, proposer in (("standard", "draft"), ("nsd", "draft"), ("nsd", "corpus_ngram")):
-        spc = SpeculativeConfig(rule=rule, k=4, nsd_top_p=0.9, proposer=proposer)
-        s = workflows.sample(lm, sample_cfg=dataclasses.replace(sc, temperature=1.0), speculative=spc,
-                             draft=draft if proposer == "draft" else None)
-        q = workflows.evaluate_samples(s, judge)
-        rows.append({"method": f"spec {rule}" + (" p=0.9" if rule == "nsd" else "") + " k=4"
-                     + (" corpus n-gram" if proposer == "corpus_ngram" else ""),
-                     "nfe": round(s.target_forwards / len(s.texts), 1), "gen_ppl": q["gen_ppl"],
-                     "entropy": q["entropy"], "tokens_per_s": q["tokens_per_s"], "tau": s.tau,
-                     "distinct_2": q["distinct_2"], "mean_tokens": q["mean_tokens"]})
-
-    # NSD with a draft that kept learning from its own traces (RCSD), starting from the one above
-    rcsd_draft = _rcsd_draft(lm, draft, judge, os.path.join(cfg.workdir, "rcsd"), quick=quick)
-    spc = SpeculativeConfig(rule="nsd", k=4, nsd_top_p=0.9)
-    s = workflows.sample(lm, sample_cfg=dataclasses.replace(sc, temperature=1.0), speculative=spc, draft=rcsd_draft)
-    q = workflows.evaluate_samples(s, judge)
-    rows.append({"method": "spec nsd p=0.9 k=4 rcsd draft", "nfe": round(s.target_forwards / len(s.texts), 1),
-                 "gen_ppl": q["gen_ppl"], "entropy": q["entropy"], "tokens_per_s": q["tokens_per_s"],
-                 "tau": s.tau, "distinct_2": q["distinct_2"], "mean_tokens": q["mean_tokens"]})
-
-    # ReLF: a flow model of the same width and depth, then two short regularised reflow rounds.
-    # A fifth of the AR training budget keeps the demo within its 10 minutes; `relf-jax bench
-    # relf` compares at equal budgets.
-    relf_steps = max(1, cfg.train.steps // 5)
-    workflows.train_lm(make_config(preset, [*overrides, "model=relf", f"train.steps={relf_steps}"], workdir=workdir))
-    relf = workflows.load_model(os.path.join(cfg.workdir, "relf"), "relf")
-    rows.append(_relf_row(relf, judge, sc.num_samples, "relf stochastic", nfe=64, sampler="stochastic"))
-    rows.append(_relf_row(relf, judge, sc.num_samples, "relf euler", nfe=16, sampler="euler"))
-    workflows.reflow(cfg.workdir, rounds=2, num_pairs=RELF_REFLOW_PAIRS, rollout_nfe=16,
-                     steps=max(1, relf_steps // 8))
-    reflowed = workflows.load_model(os.path.join(cfg.workdir, "relf_reflow2"), "relf")
-    rows.append(_relf_row(reflowed, judge, sc.num_samples, "relf euler reflow2", nfe=16, sampler="euler"))
-    # the reference a whole-sequence model must beat: every position drawn from its own unigram
-    # frequencies (a flow model stuck at the positional prior scores like this row)
-    s = positional_unigram_samples(workflows.prepare_data(cfg), relf.tokenizer, sc.num_samples, cfg.data.seq_len)
-    q = workflows.evaluate_samples(s, judge)
-    rows.append({"method": "positional unigram (reference)", "nfe": None, "gen_ppl": q["gen_ppl"],
-                 "entropy": q["entropy"], "tokens_per_s": None, "distinct_2": q["distinct_2"],
-                 "mean_tokens": q["mean_tokens"]})
-
-    # block diffusion: same width and depth, a quarter of the AR budget (each step trains on
-    # noisy + clean copies, about twice an AR step); confidence-threshold decoding, threshold
-    # 0.95, tokens sampled at the sample temperature (greedy unconditional samples collapse)
-    bd_steps = max(1, cfg.train.steps // 4)
-    workflows.train_lm(make_config(preset, [*overrides, "model=bd", f"train.steps={bd_steps}"], workdir=workdir))
-    bd = workflows.load_model(cfg.workdir, "bd")
-    s = workflows.sample_bd(bd, n=sc.num_samples)
-    q = workflows.evaluate_samples(s, judge)
-    rows.append({"method": f"block diffusion d={bd.model_cfg.block_size} thr={sc.threshold:g}",
-                 "nfe": round(s.target_forwards / len(s.texts), 1), "gen_ppl": q["gen_ppl"],
-                 "entropy": q["entropy"], "tokens_per_s": q["tokens_per_s"], "tau": s.tau,
-                 "distinct_2": q["distinct_2"], "mean_tokens": q["mean_tokens"]})
-
+    ref = data_reference(cfg, lm.tokenizer, judge, n=sc.num_samples, max_tokens=sc.max_new_tokens)
+    rows = [_row("data", None, ref, tokens_per_s=None)]
+    ar_rows, examples = _ar_rows(lm, judge, sc)
+    rows += ar_rows
+    rows += _speculative_rows(cfg, lm, judge, quick=quick)
+    rows += _relf_rows(cfg, preset, overrides, judge)
+    rows.append(_bd_row(cfg, preset, overrides, judge))
     decode = {}
     for batch in (1, 8):
         # several batches, so the figure is not one short, noisy timing
-        s = workflows.sample(lm, n=4 * batch, sample_cfg=dataclasses.replace(
+        s = sample(lm, n=4 * batch, sample_cfg=dataclasses.replace(
             sc, batch_size=batch, num_samples=4 * batch, temperature=1.0))
         decode[str(batch)] = s.tokens_per_s
 
@@ -154,16 +106,89 @@ def run_demo(quick: bool = False, workdir: Optional[str] = None, overrides: Sequ
         "examples": examples,
         "wall_s": time.perf_counter() - t_start,
     }
-    out = os.path.abspath(cfg.workdir)
-    workflows.write_json(os.path.join(out, "report.json"), report)
+    _write_report(report, os.path.abspath(cfg.workdir))
+    return report
+
+
+def _ar_rows(lm, judge, sc) -> tuple[list[dict], list[str]]:
+    """AR at each of `AR_TEMPERATURES`, and three samples at T = 1."""
+    rows = []
+    for temperature in AR_TEMPERATURES:
+        s = sample(lm, sample_cfg=dataclasses.replace(sc, temperature=temperature))
+        rows.append(_row(f"ar T={temperature:g}", round(s.tokens / len(s.texts), 1),
+                         evaluate_samples(s, judge)))
+        if temperature == 1.0:
+            examples = s.texts[:3]
+    return rows, examples
+
+
+def _speculative_rows(cfg, lm, judge, *, quick: bool) -> list[dict]:
+    """Speculative decoding with a distilled draft (trained once, cached in <workdir>/draft), NSD
+    with the corpus n-gram table (no draft network: next-token counts of the data), and NSD with a
+    draft that kept learning from its own traces (RCSD), starting from the distilled one."""
+    sc = dataclasses.replace(cfg.sample, temperature=1.0)
+    train_draft(cfg.workdir, [f"train.steps={max(1, cfg.train.steps // 2)}"])
+    draft = load_model(os.path.join(cfg.workdir, "draft"), "ar")
+    rows = []
+    for rule, proposer in (("standard", "draft"), ("nsd", "draft"), ("nsd", "corpus_ngram")):
+        spc = SpeculativeConfig(rule=rule, k=4, nsd_top_p=0.9, proposer=proposer)
+        s = sample(lm, sample_cfg=sc, speculative=spc, draft=draft if proposer == "draft" else None)
+        rows.append(_row(f"spec {rule}" + (" p=0.9" if rule == "nsd" else "") + " k=4"
+                         + (" corpus n-gram" if proposer == "corpus_ngram" else ""),
+                         round(s.target_forwards / len(s.texts), 1), evaluate_samples(s, judge), tau=s.tau))
+    rcsd_draft = _rcsd_draft(lm, draft, judge, os.path.join(cfg.workdir, "rcsd"), quick=quick)
+    s = sample(lm, sample_cfg=sc, speculative=SpeculativeConfig(rule="nsd", k=4, nsd_top_p=0.9),
+                         draft=rcsd_draft)
+    rows.append(_row("spec nsd p=0.9 k=4 rcsd draft", round(s.target_forwards / len(s.texts), 1),
+                     evaluate_samples(s, judge), tau=s.tau))
+    return rows
+
+
+def _relf_rows(cfg, preset: str, overrides: Sequence[str], judge) -> list[dict]:
+    """ReLF: a flow model of the same width and depth, then two short regularised reflow rounds,
+    and the positional-unigram reference. A fifth of the AR training budget keeps the demo within
+    its 10 minutes; `relf-jax bench relf` compares at equal budgets."""
+    n = cfg.sample.num_samples
+    relf_steps = max(1, cfg.train.steps // 5)
+    rj.train(make_config(preset, [*overrides, "model=relf", f"train.steps={relf_steps}"],
+                                   workdir=cfg.workdir))
+    relf = load_model(os.path.join(cfg.workdir, "relf"), "relf")
+    rows = [_relf_row(relf, judge, n, "relf stochastic", nfe=64, sampler="stochastic"),
+            _relf_row(relf, judge, n, "relf euler", nfe=16, sampler="euler")]
+    reflow(cfg.workdir, rounds=2, num_pairs=RELF_REFLOW_PAIRS, rollout_nfe=16,
+                     steps=max(1, relf_steps // 8))
+    reflowed = load_model(os.path.join(cfg.workdir, "relf_reflow2"), "relf")
+    rows.append(_relf_row(reflowed, judge, n, "relf euler reflow2", nfe=16, sampler="euler"))
+    # the reference a whole-sequence model must beat: every position drawn from its own unigram
+    # frequencies (a flow model stuck at the positional prior scores like this row)
+    s = positional_unigram_samples(prepare_data(cfg), relf.tokenizer, n, cfg.data.seq_len)
+    rows.append(_row(UNIGRAM_REFERENCE, None, evaluate_samples(s, judge), tokens_per_s=None))
+    return rows
+
+
+def _bd_row(cfg, preset: str, overrides: Sequence[str], judge) -> dict:
+    """Block diffusion: same width and depth, a quarter of the AR budget (each step trains on
+    noisy + clean copies, about twice an AR step); confidence-threshold decoding, threshold 0.95,
+    tokens sampled at the sample temperature (greedy unconditional samples collapse)."""
+    bd_steps = max(1, cfg.train.steps // 4)
+    rj.train(make_config(preset, [*overrides, "model=bd", f"train.steps={bd_steps}"], workdir=cfg.workdir))
+    bd = load_model(cfg.workdir, "bd")
+    s = sample_bd(bd, n=cfg.sample.num_samples)
+    return _row(f"block diffusion d={bd.model_cfg.block_size} thr={cfg.sample.threshold:g}",
+                round(s.target_forwards / len(s.texts), 1), evaluate_samples(s, judge), tau=s.tau)
+
+
+def _write_report(report: dict, out: str) -> None:
+    """report.json, report.md and quality.png in `out`; the table and the speeds on stdout."""
+    write_json(os.path.join(out, "report.json"), report)
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(render_markdown(report))
-    plot_quality(rows, os.path.join(out, "quality.png"))
-    print(render_table(rows))
+    plot_quality(report["rows"], os.path.join(out, "quality.png"))
+    print(render_table(report["rows"]))
+    decode = report["decode_tokens_per_s"]
     print(f"[demo] train tokens/s {_fmt(report['train']['tokens_per_s'])}, decode tokens/s batch 1 "
           f"{_fmt(decode['1'])}, batch 8 {_fmt(decode['8'])}; wall {report['wall_s']:.1f} s")
     print(f"[demo] wrote {out}/report.json, report.md, quality.png, ar/loss_curve.png")
-    return report
 
 
 def _fmt(v, digits: int = 1) -> str:
@@ -204,17 +229,34 @@ def render_markdown(report: dict) -> str:
 
 
 def plot_quality(rows: list[dict], path: str) -> None:
+    """Gen PPL (log scale) against entropy, one marker per row named in the legend (no inline labels:
+    the rows crowd); the positional-unigram reference as a dashed line at its gen PPL, which a
+    whole-sequence model must get below."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 4))
-    for r in rows:
-        ax.scatter(r["entropy"], r["gen_ppl"], s=40)
-        ax.annotate(r["method"], (r["entropy"], r["gen_ppl"]), textcoords="offset points", xytext=(4, 4))
+    markers = "o^sDvP<>Xhp8d"
+    colors = [c for j, c in enumerate(plt.get_cmap("tab10").colors) if j != 7]  # grey marks the reference
+    fig, ax = plt.subplots(figsize=(9, 4.8), layout="constrained")
+    shown = [r for r in rows if r.get("gen_ppl") is not None and r.get("entropy") is not None]
+    for i, r in enumerate(shown):
+        if r["method"] == UNIGRAM_REFERENCE:
+            ax.axhline(r["gen_ppl"], color="0.4", ls="--", lw=1, zorder=1)
+            ax.scatter(r["entropy"], r["gen_ppl"], marker="x", color="0.4", s=60, zorder=3,
+                       label=f"{r['method']}: gen PPL {r['gen_ppl']:,.0f} (dashed line)")
+        elif r["method"] == "data":
+            ax.scatter(r["entropy"], r["gen_ppl"], marker="*", color="black", s=120, zorder=3,
+                       label="data (held-out conversations)")
+        else:
+            ax.scatter(r["entropy"], r["gen_ppl"], marker=markers[i % len(markers)], color=colors[i % len(colors)],
+                       s=45, zorder=3, label=r["method"])
+    ax.set_yscale("log")
+    ax.margins(x=0.06, y=0.08)
     ax.set_xlabel("mean unigram entropy (nats)")
-    ax.set_ylabel("gen PPL (exact judge)")
-    ax.set_title("sample quality: lower-right is better")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    ax.set_ylabel("gen PPL (exact judge, log scale)")
+    ax.set_title("sample quality: lower is better at equal entropy")
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)

@@ -68,7 +68,6 @@ def _no_arguments(p):
     pass
 
 
-
 COMMANDS = (
     Command("train", "prepare data + tokenizer and train (or resume) a model", train.train_args, train.train,
             overrides=True),

@@ -32,7 +32,8 @@ def _relf(steps, nfe, rounds, ppl, entropy=3.0, variant="relf", method=None, **k
 
 def test_targets_ratios():
     rows = [_ar(2.0, 20.0, 10), _ar(4.0, 80.0, 10), _ar(2.0, 40.0, 5), _ar(4.0, 160.0, 5),
-            _relf(10, 64, 0, 46.0, renoise="linear"), _relf(10, 64, 0, 50.0, renoise="marginal", entropy=3.2, method="relf stochastic marginal"),
+            _relf(10, 64, 0, 46.0, renoise="linear"),
+            _relf(10, 64, 0, 50.0, renoise="marginal", entropy=3.2, method="relf stochastic marginal"),
             _relf(5, 64, 0, 100.0, renoise="linear"),
             _relf(10, 8, 0, 200.0), _relf(10, 8, 2, 120.0), _relf(10, 16, 2, 48.3),
             _relf(5, 64, 0, 150.0, variant="no_singular"), _relf(10, 64, 0, 46.0, variant="guidance", guidance=1.3),
@@ -105,8 +106,8 @@ def test_targets_compare_clean_prompts_with_renoised_ones():
 
 def test_ar_replies_are_cut_at_the_end_of_their_turn():
     from experiments.bench.relf_rows import cut_turns
+    from relf_jax.sampling.batch import Samples
     from relf_jax.serving.engines import ByteTokenizer
-    from relf_jax.workflows import Samples
 
     tok = ByteTokenizer()
     user = tok.MARKERS["<user>"]

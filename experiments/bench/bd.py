@@ -1,6 +1,6 @@
 """`relf-jax bench bd`: block diffusion vs AR on `synthetic_chat` under the exact judge, per budget.
 
-Composition only (every step is a `relf_jax.workflows` call). For each training budget (optimizer
+Composition only (every step is a library call). For each training budget (optimizer
 steps; default 600 and 1,200 on the `cpu` preset, ``--budgets`` to change) it trains an AR model and
 a block-diffusion model of the same width and depth on the same data, batch and row length, and
 samples whole conversations (unconditional, up to ``seq_len`` tokens) from both:
@@ -16,7 +16,7 @@ Each row carries gen PPL, entropy, mean words, and for block diffusion the posit
 denoising step (every position of the decoded blocks) and the output tokens (up to the stop
 token) per step. The report states the text tokens one optimizer step trains on for each family
 (AR: packed rows; block diffusion: whole conversations packed per row, each filled up to whole
-blocks, `relf_jax.workflows.row_mode`), so "the same budget" is given in steps and in text tokens.
+blocks, `relf_jax.row_mode`), so "the same budget" is given in steps and in text tokens.
 ``--ablation`` adds, at the first budget, a block-diffusion model trained on the old layout (one
 conversation per row, its pad tail in the loss: ``data.rows=documents``).
 
@@ -39,11 +39,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from experiments.bench.common import text_tokens_per_step, write_json
+import relf_jax as rj
+from experiments.bench.common import text_tokens_per_step
 from experiments.bench.relf_variants import AR_TEMPERATURES, QUICK_AR_TEMPERATURES
-from relf_jax import workflows
 from relf_jax.config import make_config
+from relf_jax.data.prepare import prepare_data, prepare_tokenizer, row_mode
 from relf_jax.eval.baselines import ar_ppl_at_entropy
+from relf_jax.eval.evaluate import evaluate_samples, exact_judge
+from relf_jax.io import write_json
+from relf_jax.loading import load_model
+from relf_jax.sampling.recipes import sample_bd
+from relf_jax.speculative.recipes import sample
 
 BUDGETS = (600, 1200)
 BD_TEMPERATURES = (0.9, 1.0)
@@ -75,17 +81,17 @@ def bench_bd(out: str, quick: bool = False, workdir: str | None = None, override
         wd = os.path.join(root, f"steps{steps}")
         cfg = make_config(preset, [*overrides, f"train.steps={steps}"], workdir=wd)
         if rows.judge is None:
-            rows.judge = workflows.exact_judge(cfg)
+            rows.judge = exact_judge(cfg)
             layout = _layout(cfg, make_config(preset, [*overrides, "model=bd"], workdir=wd))
         ar_lm = None
         for t in QUICK_AR_TEMPERATURES if quick else AR_TEMPERATURES:
             key = {"method": f"ar T={t:g}", "variant": "ar", "train_steps": steps, "temperature": t}
             if ar_lm is None and rows.have(**key) is None:
-                workflows.train_lm(cfg)
-                ar_lm = workflows.load_model(wd, "ar")
+                rj.train(cfg)
+                ar_lm = load_model(wd, "ar")
             sc = dataclasses.replace(cfg.sample, temperature=t, top_k=0, top_p=1.0,
                                      max_new_tokens=cfg.data.seq_len - 1, num_samples=n)
-            rows.measure(key, lambda sc=sc, ar_lm=ar_lm: workflows.sample(ar_lm, n=n, sample_cfg=sc))
+            rows.measure(key, lambda sc=sc, ar_lm=ar_lm: sample(ar_lm, n=n, sample_cfg=sc))
     for steps, variant, extra in plans:
         _bd_rows(rows, preset, overrides, root, steps, variant, extra, n, quick)
     base = make_config(preset, list(overrides))
@@ -124,7 +130,7 @@ class _Rows:
         row = self.have(**key)
         if row is None:
             s = run()
-            q = workflows.evaluate_samples(s, self.judge)
+            q = evaluate_samples(s, self.judge)
             row = {**key, "gen_ppl": q["gen_ppl"], "entropy": q["entropy"], "mean_tokens": q["mean_tokens"],
                    "distinct_2": q["distinct_2"], "complete": float(np.mean(s.complete)), "seconds": s.seconds}
             if s.denoise_steps:
@@ -150,10 +156,10 @@ def _borrowed_rows(ar_rows: str | None, preset: str, n: int) -> list[dict]:
 
 def _layout(cfg, bd_cfg) -> dict:
     """Text tokens one optimizer step trains on, per family and row layout."""
-    builder = workflows.prepare_data(cfg)
-    tok = workflows.prepare_tokenizer(cfg, builder)
-    return {"ar": text_tokens_per_step(cfg, builder, tok, workflows.row_mode(cfg), 1, batches=20),
-            "bd": text_tokens_per_step(bd_cfg, builder, tok, workflows.row_mode(bd_cfg), bd_cfg.model.block_size,
+    builder = prepare_data(cfg)
+    tok = prepare_tokenizer(cfg, builder)
+    return {"ar": text_tokens_per_step(cfg, builder, tok, row_mode(cfg), 1, batches=20),
+            "bd": text_tokens_per_step(bd_cfg, builder, tok, row_mode(bd_cfg), bd_cfg.model.block_size,
                                        batches=20),
             "bd_documents": text_tokens_per_step(bd_cfg, builder, tok, "documents", 1, batches=20)}
 
@@ -164,8 +170,8 @@ def _bd_rows(rows: _Rows, preset: str, overrides: Sequence[str], root: str, step
     rule and (the default layout) lower thresholds."""
     wd = os.path.join(root, f"steps{steps}" if variant == "bd" else f"steps{steps}_{variant}")
     bcfg = make_config(preset, [*overrides, f"train.steps={steps}", "model=bd", *extra], workdir=wd)
-    workflows.train_lm(bcfg)
-    lm = workflows.load_model(wd, "bd")
+    rj.train(bcfg)
+    lm = load_model(wd, "bd")
     thr = lm.cfg.sample.threshold
     runs = [(t, "max", thr) for t in (QUICK_BD_TEMPERATURES if quick else BD_TEMPERATURES)] + [(1.0, "sampled", thr)]
     runs += [(1.0, "max", x) for x in ((LOWER_THRESHOLDS[:1] if quick else LOWER_THRESHOLDS)
@@ -179,7 +185,7 @@ def _bd_rows(rows: _Rows, preset: str, overrides: Sequence[str], root: str, step
                 + ("" if x == thr else f" thr={x:g}"))
         rows.measure({"method": name, "variant": variant, "train_steps": steps, "temperature": t, "confidence": rule,
                       "threshold": sc.threshold, "block_size": lm.model_cfg.block_size},
-                     lambda sc=sc, lm=lm: workflows.sample_bd(lm, n=n, sample_cfg=sc))
+                     lambda sc=sc, lm=lm: sample_bd(lm, n=n, sample_cfg=sc))
 
 
 def targets(rows: Sequence[dict], budgets: Sequence[int]) -> dict:

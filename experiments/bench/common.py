@@ -1,10 +1,9 @@
-"""What several benches share: the JSON writer, finding a row, the target + draft pair of the
+"""What several benches share: finding a row, the target + draft pair of the
 speculative benches, held-out prompts, reply quality under the exact judge, and the text tokens a
 training step sees."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -16,16 +15,6 @@ from relf_jax.config import make_config
 
 # the repository root: the working directory of the subprocesses benches start (`python -m experiments...`)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def write_json(path: str, obj) -> None:
-    """Write `obj` to `path` atomically (a temporary file, then a rename): an interrupted write
-    leaves the previous report whole, never a torn one."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
 
 
 def find_row(rows, **kw):
@@ -44,19 +33,21 @@ def draft_steps(cfg) -> int:
 def ensure_target_and_draft(preset: str, workdir: str, overrides: Sequence[str] = ()):
     """(config, target, draft): trained in `workdir` (or resumed / reused), the draft distilled
     for `draft_steps` as the demo does."""
-    from relf_jax import workflows  # the data stack; `bench verify` runs without it
+    import relf_jax as rj
+    from relf_jax.loading import load_model
+    from relf_jax.speculative.recipes import train_draft
     cfg = make_config(preset, list(overrides), workdir=workdir)
-    workflows.train_lm(cfg)
-    lm = workflows.load_model(workdir, "ar")
-    workflows.train_draft(workdir, [f"train.steps={draft_steps(cfg)}"])
-    draft = workflows.load_model(os.path.join(workdir, "draft"), "ar")
+    rj.train(cfg)
+    lm = load_model(workdir, "ar")
+    train_draft(workdir, [f"train.steps={draft_steps(cfg)}"])
+    draft = load_model(os.path.join(workdir, "draft"), "ar")
     return cfg, lm, draft
 
 
 def held_out_prompts(cfg, n: int, seed: int = 12345) -> list[str]:
     """First user turns (ending with ``<assistant>``) of fresh grammar conversations."""
-    from relf_jax import workflows
-    judge = workflows.exact_judge(cfg)
+    from relf_jax.eval.evaluate import exact_judge
+    judge = exact_judge(cfg)
     return [info["prompt"] for info in judge.grammar.sample_with_info(n, seed)]
 
 
@@ -107,3 +98,20 @@ def kernel_vs_reference(ref, ker, args, reps: int) -> dict:
     times = {name: median_seconds(lambda fn=fn: fn(*args), reps) for name, fn in (("reference", ref), ("kernel", ker))}
     return {"reference_ms": times["reference"] * 1e3, "kernel_ms": times["kernel"] * 1e3,
             "speedup_kernel_over_reference": times["reference"] / times["kernel"]}
+
+
+def kernel_timing_text(row: dict) -> str:
+    """A `kernel_vs_reference` row's times, for the log line."""
+    return (f"ref {row['reference_ms']:.3f} ms  kernel {row['kernel_ms']:.3f} ms  "
+            f"x{row['speedup_kernel_over_reference']:.2f}")
+
+
+def write_kernel_report(out: str, rows: list[dict], interpret: bool) -> dict:
+    """A kernel bench's report (backend, whether the kernel was interpreted, device, rows), written to `out`."""
+    import jax
+
+    from relf_jax.io import write_json
+
+    report = {"backend": jax.default_backend(), "interpret": interpret, "device": str(jax.devices()[0]), "rows": rows}
+    write_json(out, report)
+    return report

@@ -34,9 +34,22 @@ import sys
 import time
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
-from experiments.bench.common import REPO_ROOT, write_json
+import relf_jax as rj
+from experiments.bench.common import REPO_ROOT
+from relf_jax.config import make_config
+from relf_jax.data.builders.chatterbot import read_conversations
+from relf_jax.dws import cost_model as cm
+from relf_jax.dws import predictor as pr
+from relf_jax.dws.metrics import cost_errors
+from relf_jax.dws.surface import check_surface, executed_map
+from relf_jax.dws.workload import decode_labels, decode_settings, timed_runs, with_dtype, workload_prompts
+from relf_jax.io import write_json
+from relf_jax.loading import load_model
+from relf_jax.serving.scheduler import FCFS, SJF, aging_for
+from relf_jax.serving.simulator import load_sweep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +115,6 @@ def _costs(logs) -> np.ndarray:
 
 
 def _maps(logs, max_blocks: int, block_size: int) -> np.ndarray:
-    from relf_jax.dws.surface import executed_map
-
     return np.stack([executed_map(lg.steps_per_block, max_blocks, block_size) for lg in logs])
 
 
@@ -113,200 +124,207 @@ def _prompt_blocks(prompts, block_size: int) -> np.ndarray:
 
 def bench_dws(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),
               sizes: DWSBenchSizes | None = None) -> dict:
-    import jax
-
-    from relf_jax import workflows
-    from relf_jax.config import make_config
-    from relf_jax.dws import cost_model as cm
-    from relf_jax.dws import predictor as pr
-    from relf_jax.dws.metrics import cost_errors
-    from relf_jax.dws.surface import check_surface
-    from relf_jax.dws.workload import (
-        decode_labels,
-        decode_settings,
-        timed_runs,
-        with_dtype,
-        workload_prompts,
-    )
-    from relf_jax.serving.scheduler import FCFS, SJF, aging_for
-    from relf_jax.serving.simulator import load_sweep
-
-    sz = sizes or (QUICK if quick else DWSBenchSizes())
-    t_start = time.perf_counter()
-    workdir = workdir or os.path.join("runs", "bench_dws_quick" if quick else "bench_dws")
-    preset = "tiny" if quick else "cpu"
-    cfg = make_config(preset, ["model=bd", f"model.block_size={sz.block_size}", f"train.steps={sz.bd_steps}",
-                               *overrides], workdir=workdir)
-    workflows.train_lm(cfg)
-    lm = workflows.load_model(workdir, "bd")
-    tok, d, nb = lm.tokenizer, sz.block_size, sz.max_blocks
-    settings = decode_settings(lm, max_blocks=nb)
-
-    n_all = sz.n_train + sz.n_probe + sz.n_test
-    from relf_jax.data.builders.chatterbot import read_conversations
-
-    n_bot = min(round(n_all * sz.chatterbot_share), len(read_conversations()))
-    max_prompt = 48
-    prompts = workload_prompts(tok, n_synthetic=int(1.15 * (n_all - n_bot)) + 10, n_chatterbot=n_bot, seed=4242,
-                               max_tokens=max_prompt)
-    if len(prompts) < n_all:
-        raise RuntimeError(f"only {len(prompts)} usable prompts for {n_all} requests")
-    train_p, probe_p, test_p = _split(prompts, (sz.n_train, sz.n_probe, sz.n_test))
-    graphdef, params = lm.graphdef, lm.params
-
-    # --- labels (batched decoder) and timed runs (instrumented, one request at a time)
-    t0 = time.perf_counter()
-    train_steps, train_lens = decode_labels(graphdef, params, [p.ids for p in train_p], settings, cache_dir=workdir)
-    label_s = time.perf_counter() - t0
-    probe_logs = timed_runs(graphdef, params, [p.ids for p in probe_p], settings, desc="probe requests")
-    test_logs = timed_runs(graphdef, params, [p.ids for p in test_p], settings, desc="test requests")
-
-    # --- predictors: the surface one and the scalar baselines, same encoder and data
-    data_kw = {"max_len": max_prompt, "max_blocks": nb, "block_size": d}
-    train_data = pr.WorkloadData.build([p.ids for p in train_p], train_steps, train_lens, **data_kw)
-    test_data = pr.WorkloadData.build([p.ids for p in test_p], [lg.steps_per_block for lg in test_logs],
-                                      [len(lg.output) for lg in test_logs], **data_kw)
-    probe_data = pr.WorkloadData.build([p.ids for p in probe_p], [lg.steps_per_block for lg in probe_logs],
-                                       [len(lg.output) for lg in probe_logs], **data_kw)
-    pcfg = make_config(preset, ["train.learning_rate=2e-3", "train.warmup_steps=20", "train.log_every=50",
-                                f"train.batch_size={sz.predictor_batch}"], workdir=workdir)
-    # predictors resume from their checkpoints, so their directory names the data they train on:
-    # the block-diffusion model's step (a model trained on decodes other workloads), the stop
-    # tokens (the same prompts decode to other workloads under other stops) and the sizes
-    stops = "-".join(map(str, settings.stop_ids))
-    pred_dir = os.path.join(workdir, f"predictor_bd{lm.step}_n{sz.n_train}_c{sz.coarse_steps}_f{sz.fine_steps}"
-                                     f"_d{sz.predictor_d_model}x{sz.predictor_layers}"
-                                     f"_stop{stops}")
-    predicted = {}  # head -> (probe predictions, test predictions)
-    train_s = {}
-    for name, (head, block_head) in PREDICTOR_DIRS.items():
-        mcfg = dataclasses.replace(pr.predictor_config(tok.vocab_size, d, nb, head, max_len=max_prompt,
-                                                       d_model=sz.predictor_d_model, num_layers=sz.predictor_layers),
-                                   predictor_block_head=block_head)
-        t0 = time.perf_counter()
-        res = pr.train_predictor(pcfg, mcfg, train_data, os.path.join(pred_dir, name),
-                                 coarse_steps=sz.coarse_steps, fine_steps=sz.fine_steps, eval_data=test_data,
-                                 tokenizer_bytes=tok.to_bytes())
-        train_s[name] = time.perf_counter() - t0
-        predicted[name] = tuple(pr.predict(res.graphdef, res.params, x.tokens, x.length)
-                                for x in (probe_data, test_data))
-
-    # --- costs: cost model on the probes' realised surfaces, scalar lines on the probes
-    probe_cost, test_cost = _costs(probe_logs), _costs(test_logs)
-    m_probe, m_test = _prompt_blocks(probe_p, d), _prompt_blocks(test_p, d)
-    probe_maps, test_maps = _maps(probe_logs, nb, d), _maps(test_logs, nb, d)
-    model = cm.fit_cost_model(m_probe, probe_maps, probe_cost, penalty_order=sz.penalty_order)
-    _s_probe, s_test = predicted["surface_length"]
-    scalars = {"length": predicted["length"], "steps": predicted["steps"],
-               "prompt_len": (m_probe, m_test)}
-    pred_cost = {"dws": model.predict(m_test, s_test), "oracle": model.predict(m_test, test_maps),
-                 "dws_continue": model.predict(m_test, predicted["surface"][1]),
-                 "dws_median": np.median(model.sample_costs(m_test, s_test), axis=1)}
-    realised = {"length_oracle": [len(lg.output) for lg in probe_logs + test_logs],
-                "steps_oracle": [lg.total_steps for lg in probe_logs + test_logs]}
-    for name, x in realised.items():
-        scalars[name] = (np.asarray(x[:len(probe_logs)], np.float64), np.asarray(x[len(probe_logs):], np.float64))
-    for name, (xp, xt) in scalars.items():
-        if name in SCALAR_ORACLES and np.all(xp == xp[0]):  # every probe the same length: no slope
-            pred_cost[name] = np.full(len(xt), float(np.mean(probe_cost)))
-        else:
-            pred_cost[name] = cm.fit_scalar_cost(xp, probe_cost).predict(xt)
-    errors = {name: cost_errors(pred_cost[name], test_cost) for name in PREDICTORS + SCALAR_ORACLES}
-    surface_violations = sum(len(check_surface(s)) for s in s_test)
-
-    # --- transfer: bfloat16 compute as the other hardware; keep the predictor, refit the cost model
-    g16, p16 = with_dtype(lm, "bfloat16")
-    probe16 = timed_runs(g16, p16, [p.ids for p in probe_p], settings, desc="probe requests (bf16)")
-    test16 = timed_runs(g16, p16, [p.ids for p in test_p], settings, desc="test requests (bf16)")
-    cost16 = _costs(test16)
-    model16 = cm.fit_cost_model(m_probe, _maps(probe16, nb, d), _costs(probe16), penalty_order=sz.penalty_order)
-    transfer = {
-        "hardware": "model computing in bfloat16 (float32 parameters) on the same CPU",
-        "mean_cost_ratio_bf16_over_fp32": float(cost16.mean() / test_cost.mean()),
-        "before_refit": cost_errors(model.predict(m_test, s_test), cost16),
-        "after_refit": cost_errors(model16.predict(m_test, s_test), cost16),
-        "oracle_after_refit": cost_errors(model16.predict(m_test, _maps(test16, nb, d)), cost16),
-        "same_steps_share": float(np.mean([a.steps_per_block == b.steps_per_block
-                                           for a, b in zip(test_logs, test16)])),
-    }
-
-    # --- scheduling simulation on the measured test requests
-    service = test_cost
-    first = np.asarray([lg.first_block_s for lg in test_logs])
-    keys = {"dws": pred_cost["dws"], "length": pred_cost["length"], "steps": pred_cost["steps"],
-            "prompt_len": pred_cost["prompt_len"], "oracle": service}
-    horizon = sz.aging_horizon * float(service.mean())
-    policies = {"fcfs": FCFS()}
-    for k, v in keys.items():
-        policies[f"sjf_{k}"] = SJF(key=k, aging=aging_for(v, horizon))
-    latency = {}
-    for slots in sz.slots:
-        latency[f"slots_{slots}"] = load_sweep(service, first, keys, policies, sz.loads, range(sz.seeds),
-                                               sz.sim_jobs, slots=slots)
-    single = latency["slots_1"]
-    at = str(0.9)
-
-    def mean_at(policy):
-        return single["latency"][policy][at]["mean"]
-
+    run = _DWSRun(quick, workdir, overrides, sizes or (QUICK if quick else DWSBenchSizes()))
+    run.measure()
+    run.train_predictors()
+    run.price()
+    transfer = run.transfer()
+    latency = run.schedule()
     # --- predictor time per prompt on one pinned core
-    pred_ms = _predictor_latency(os.path.join(pred_dir, "surface_length"), model,
-                                 [p.text for p in test_p][:200], d, nb, max_prompt)
-
-    result = {
-        "config": {**dataclasses.asdict(sz), "quick": quick, "workdir": workdir, "backend": jax.default_backend(),
-                   "threshold": settings.threshold, "stop_ids": list(settings.stop_ids)},
-        "workload": {  # label_decode_s: ~0 when the labels came from <workdir>/labels_*.json
-            "n_train": len(train_p), "n_probe": len(probe_p), "n_test": len(test_p),
-            "chatterbot_in_train": int(sum(p.source == "chatterbot" for p in train_p)),
-            "chatterbot_in_test": int(sum(p.source == "chatterbot" for p in test_p)),
-            "test_mean_cost_s": float(test_cost.mean()), "test_cost_cv": float(test_cost.std() / test_cost.mean()),
-            "test_mean_blocks": float(np.mean([lg.num_blocks for lg in test_logs])),
-            "test_mean_steps": float(np.mean([lg.total_steps for lg in test_logs])),
-            "test_mean_steps_per_block": float(np.mean([lg.total_steps / lg.num_blocks for lg in test_logs])),
-            "label_decode_s": label_s,
-        },
-        "cost_model": model.to_dict(),
-        "error": errors,
-        "error_ratio_vs_length": errors["length"]["mae"] / errors["dws"]["mae"],
-        "error_ratio_vs_steps": errors["steps"]["mae"] / errors["dws"]["mae"],
-        "error_ratio_vs_prompt_len": errors["prompt_len"]["mae"] / errors["dws"]["mae"],
-        # with every prediction perfect: the realised surface's error against each realised scalar's
-        "error_ratio_ceiling": {"vs_length": errors["length_oracle"]["mae"] / errors["oracle"]["mae"],
-                                "vs_steps": errors["steps_oracle"]["mae"] / errors["oracle"]["mae"]},
-        # the same ratios for the continuation block head and for the median point prediction
-        "error_ratio_vs_length_by_predictor": {k: errors["length"]["mae"] / errors[k]["mae"]
-                                               for k in ("dws", "dws_continue", "dws_median")},
-        "error_ratio_vs_steps_by_predictor": {k: errors["steps"]["mae"] / errors[k]["mae"]
-                                              for k in ("dws", "dws_continue", "dws_median")},
-        "predictor_dir": os.path.join(pred_dir, "surface_length"),
-        "predicted_surface_invariant_violations": surface_violations,
-        "transfer": transfer,
-        "latency": single["latency"],
-        "ttft": single["ttft"],
-        "latency_batched": {k: v["latency"] for k, v in latency.items() if k != "slots_1"},
-        "ttft_batched": {k: v["ttft"] for k, v in latency.items() if k != "slots_1"},
-        "per_seed_mean_latency": single["per_seed_mean_latency"],
-        "latency_ratio_fcfs_over_sjf_dws": mean_at("fcfs") / mean_at("sjf_dws"),
-        "latency_ratio_sjf_length_over_sjf_dws": mean_at("sjf_length") / mean_at("sjf_dws"),
-        "latency_ratio_sjf_steps_over_sjf_dws": mean_at("sjf_steps") / mean_at("sjf_dws"),
-        "predictor_ms_per_prompt": pred_ms,
-        "predictor_train_s": train_s,
-        # per test request, for offline analysis: measured runs and every predictor's cost
-        "requests": [{"source": p.source, "prompt_len": lg.prompt_len, "steps_per_block": lg.steps_per_block,
-                      "output_len": len(lg.output),
-                      "cost_s": lg.total_s, "first_block_s": lg.first_block_s, "cost_bf16_s": lg16.total_s,
-                      "predicted_cost_s": {k: float(v[i]) for k, v in pred_cost.items()}}
-                     for i, (p, lg, lg16) in enumerate(zip(test_p, test_logs, test16))],
-        "wall_s": time.perf_counter() - t_start,
-    }
-    base = os.path.splitext(out)[0]
-    result["plots"] = _plots(base, s_test, test_maps, test_p, single["latency"], sz.loads)
+    pred_ms = _predictor_latency(os.path.join(run.pred_dir, "surface_length"), run.model,
+                                 [p.text for p in run.test_p][:200], run.d, run.nb, run.max_prompt)
+    result = run.report(transfer, latency, pred_ms)
+    single = latency["slots_1"]
+    result["plots"] = _plots(os.path.splitext(out)[0], run.s_test, run.test_maps, run.test_p, single["latency"],
+                             run.sz.loads)
     write_json(out, result)
     print(json.dumps({k: result[k] for k in ("error_ratio_vs_length", "error_ratio_vs_steps", "error_ratio_ceiling",
                                               "latency_ratio_fcfs_over_sjf_dws", "predictor_ms_per_prompt")},
                      indent=2))
     return result
+
+
+class _DWSRun:
+    """One `bench dws` run: the block-diffusion model and the requests (`__init__`), then each stage
+    of the module docstring in turn, each keeping what the later ones read."""
+
+    def __init__(self, quick: bool, workdir: str | None, overrides: Sequence[str], sz: DWSBenchSizes):
+        self.sz, self.quick = sz, quick
+        self.t_start = time.perf_counter()
+        self.workdir = workdir = workdir or os.path.join("runs", "bench_dws_quick" if quick else "bench_dws")
+        self.preset = "tiny" if quick else "cpu"
+        cfg = make_config(self.preset, ["model=bd", f"model.block_size={sz.block_size}",
+                                        f"train.steps={sz.bd_steps}", *overrides], workdir=workdir)
+        rj.train(cfg)
+        self.lm = lm = load_model(workdir, "bd")
+        self.tok, self.d, self.nb = lm.tokenizer, sz.block_size, sz.max_blocks
+        self.settings = decode_settings(lm, max_blocks=self.nb)
+        n_all = sz.n_train + sz.n_probe + sz.n_test
+        n_bot = min(round(n_all * sz.chatterbot_share), len(read_conversations()))
+        self.max_prompt = 48
+        prompts = workload_prompts(self.tok, n_synthetic=int(1.15 * (n_all - n_bot)) + 10, n_chatterbot=n_bot,
+                                   seed=4242, max_tokens=self.max_prompt)
+        if len(prompts) < n_all:
+            raise RuntimeError(f"only {len(prompts)} usable prompts for {n_all} requests")
+        self.train_p, self.probe_p, self.test_p = _split(prompts, (sz.n_train, sz.n_probe, sz.n_test))
+
+    def measure(self) -> None:
+        """Labels (batched decoder) and timed runs (instrumented, one request at a time)."""
+        g, p, settings = self.lm.graphdef, self.lm.params, self.settings
+        t0 = time.perf_counter()
+        self.train_steps, self.train_lens = decode_labels(g, p, [x.ids for x in self.train_p], settings,
+                                                          cache_dir=self.workdir)
+        self.label_s = time.perf_counter() - t0
+        self.probe_logs = timed_runs(g, p, [x.ids for x in self.probe_p], settings, desc="probe requests")
+        self.test_logs = timed_runs(g, p, [x.ids for x in self.test_p], settings, desc="test requests")
+
+    def train_predictors(self) -> None:
+        """The surface predictor and the scalar baselines, same encoder and data: their predictions
+        on the probe and test requests (`predicted`: directory name -> (probe, test))."""
+        sz, tok, d, nb = self.sz, self.tok, self.d, self.nb
+        data_kw = {"max_len": self.max_prompt, "max_blocks": nb, "block_size": d}
+        train_data = pr.WorkloadData.build([p.ids for p in self.train_p], self.train_steps, self.train_lens,
+                                           **data_kw)
+        test_data, probe_data = (pr.WorkloadData.build([p.ids for p in ps], [lg.steps_per_block for lg in logs],
+                                                       [len(lg.output) for lg in logs], **data_kw)
+                                 for ps, logs in ((self.test_p, self.test_logs), (self.probe_p, self.probe_logs)))
+        pcfg = make_config(self.preset, ["train.learning_rate=2e-3", "train.warmup_steps=20", "train.log_every=50",
+                                         f"train.batch_size={sz.predictor_batch}"], workdir=self.workdir)
+        # predictors resume from their checkpoints, so their directory names the data they train on:
+        # the block-diffusion model's step (a model trained on decodes other workloads), the stop
+        # tokens (the same prompts decode to other workloads under other stops) and the sizes
+        stops = "-".join(map(str, self.settings.stop_ids))
+        self.pred_dir = os.path.join(self.workdir, f"predictor_bd{self.lm.step}_n{sz.n_train}_c{sz.coarse_steps}"
+                                                   f"_f{sz.fine_steps}_d{sz.predictor_d_model}x{sz.predictor_layers}"
+                                                   f"_stop{stops}")
+        self.predicted, self.train_s = {}, {}
+        for name, (head, block_head) in PREDICTOR_DIRS.items():
+            mcfg = dataclasses.replace(pr.predictor_config(tok.vocab_size, d, nb, head, max_len=self.max_prompt,
+                                                           d_model=sz.predictor_d_model,
+                                                           num_layers=sz.predictor_layers),
+                                       predictor_block_head=block_head)
+            t0 = time.perf_counter()
+            res = pr.train_predictor(pcfg, mcfg, train_data, os.path.join(self.pred_dir, name),
+                                     coarse_steps=sz.coarse_steps, fine_steps=sz.fine_steps, eval_data=test_data,
+                                     tokenizer_bytes=tok.to_bytes())
+            self.train_s[name] = time.perf_counter() - t0
+            self.predicted[name] = tuple(pr.predict(res.graphdef, res.params, x.tokens, x.length)
+                                         for x in (probe_data, test_data))
+
+    def price(self) -> None:
+        """Costs: the cost model fitted on the probes' realised surfaces, scalar lines on the probes;
+        every predictor's cost of the test requests and its error against the measured one."""
+        probe_logs, test_logs, d, nb, predicted = self.probe_logs, self.test_logs, self.d, self.nb, self.predicted
+        self.probe_cost, self.test_cost = probe_cost, test_cost = _costs(probe_logs), _costs(test_logs)
+        self.m_probe, self.m_test = m_probe, m_test = _prompt_blocks(self.probe_p, d), _prompt_blocks(self.test_p, d)
+        probe_maps, self.test_maps = _maps(probe_logs, nb, d), _maps(test_logs, nb, d)
+        self.model = model = cm.fit_cost_model(m_probe, probe_maps, probe_cost, penalty_order=self.sz.penalty_order)
+        self.s_test = s_test = predicted["surface_length"][1]
+        scalars = {"length": predicted["length"], "steps": predicted["steps"], "prompt_len": (m_probe, m_test)}
+        self.pred_cost = pred_cost = {
+            "dws": model.predict(m_test, s_test), "oracle": model.predict(m_test, self.test_maps),
+            "dws_continue": model.predict(m_test, predicted["surface"][1]),
+            "dws_median": np.median(model.sample_costs(m_test, s_test), axis=1)}
+        realised = {"length_oracle": [len(lg.output) for lg in probe_logs + test_logs],
+                    "steps_oracle": [lg.total_steps for lg in probe_logs + test_logs]}
+        for name, x in realised.items():
+            scalars[name] = (np.asarray(x[:len(probe_logs)], np.float64),
+                             np.asarray(x[len(probe_logs):], np.float64))
+        for name, (xp, xt) in scalars.items():
+            if name in SCALAR_ORACLES and np.all(xp == xp[0]):  # every probe the same length: no slope
+                pred_cost[name] = np.full(len(xt), float(np.mean(probe_cost)))
+            else:
+                pred_cost[name] = cm.fit_scalar_cost(xp, probe_cost).predict(xt)
+        self.errors = {name: cost_errors(pred_cost[name], test_cost) for name in PREDICTORS + SCALAR_ORACLES}
+        self.surface_violations = sum(len(check_surface(s)) for s in s_test)
+
+    def transfer(self) -> dict:
+        """bfloat16 compute as the other hardware: keep the predictor, refit the cost model."""
+        m_test, s_test, nb, d = self.m_test, self.s_test, self.nb, self.d
+        g16, p16 = with_dtype(self.lm, "bfloat16")
+        probe16 = timed_runs(g16, p16, [p.ids for p in self.probe_p], self.settings, desc="probe requests (bf16)")
+        self.test16 = test16 = timed_runs(g16, p16, [p.ids for p in self.test_p], self.settings,
+                                          desc="test requests (bf16)")
+        cost16 = _costs(test16)
+        model16 = cm.fit_cost_model(self.m_probe, _maps(probe16, nb, d), _costs(probe16),
+                                    penalty_order=self.sz.penalty_order)
+        return {
+            "hardware": "model computing in bfloat16 (float32 parameters) on the same CPU",
+            "mean_cost_ratio_bf16_over_fp32": float(cost16.mean() / self.test_cost.mean()),
+            "before_refit": cost_errors(self.model.predict(m_test, s_test), cost16),
+            "after_refit": cost_errors(model16.predict(m_test, s_test), cost16),
+            "oracle_after_refit": cost_errors(model16.predict(m_test, _maps(test16, nb, d)), cost16),
+            "same_steps_share": float(np.mean([a.steps_per_block == b.steps_per_block
+                                               for a, b in zip(self.test_logs, test16)])),
+        }
+
+    def schedule(self) -> dict:
+        """The scheduling simulation on the measured test requests: per slot count, `load_sweep`."""
+        sz, service, pred_cost = self.sz, self.test_cost, self.pred_cost
+        first = np.asarray([lg.first_block_s for lg in self.test_logs])
+        keys = {"dws": pred_cost["dws"], "length": pred_cost["length"], "steps": pred_cost["steps"],
+                "prompt_len": pred_cost["prompt_len"], "oracle": service}
+        horizon = sz.aging_horizon * float(service.mean())
+        policies = {"fcfs": FCFS()}
+        for k, v in keys.items():
+            policies[f"sjf_{k}"] = SJF(key=k, aging=aging_for(v, horizon))
+        return {f"slots_{slots}": load_sweep(service, first, keys, policies, sz.loads, range(sz.seeds), sz.sim_jobs,
+                                             slots=slots) for slots in sz.slots}
+
+    def report(self, transfer: dict, latency: dict, pred_ms: float) -> dict:
+        sz, settings, errors, test_cost, test_logs = self.sz, self.settings, self.errors, self.test_cost, self.test_logs
+        single = latency["slots_1"]
+
+        mean_at = lambda policy: single["latency"][policy][str(0.9)]["mean"]  # at load 0.9
+        mae_ratios = lambda base, names: {k: errors[base]["mae"] / errors[k]["mae"] for k in names}
+
+        return {
+            "config": {**dataclasses.asdict(sz), "quick": self.quick, "workdir": self.workdir,
+                       "backend": jax.default_backend(), "threshold": settings.threshold,
+                       "stop_ids": list(settings.stop_ids)},
+            "workload": {  # label_decode_s: ~0 when the labels came from <workdir>/labels_*.json
+                "n_train": len(self.train_p), "n_probe": len(self.probe_p), "n_test": len(self.test_p),
+                "chatterbot_in_train": int(sum(p.source == "chatterbot" for p in self.train_p)),
+                "chatterbot_in_test": int(sum(p.source == "chatterbot" for p in self.test_p)),
+                "test_mean_cost_s": float(test_cost.mean()),
+                "test_cost_cv": float(test_cost.std() / test_cost.mean()),
+                "test_mean_blocks": float(np.mean([lg.num_blocks for lg in test_logs])),
+                "test_mean_steps": float(np.mean([lg.total_steps for lg in test_logs])),
+                "test_mean_steps_per_block": float(np.mean([lg.total_steps / lg.num_blocks for lg in test_logs])),
+                "label_decode_s": self.label_s,
+            },
+            "cost_model": self.model.to_dict(),
+            "error": errors,
+            "error_ratio_vs_length": errors["length"]["mae"] / errors["dws"]["mae"],
+            "error_ratio_vs_steps": errors["steps"]["mae"] / errors["dws"]["mae"],
+            "error_ratio_vs_prompt_len": errors["prompt_len"]["mae"] / errors["dws"]["mae"],
+            # with every prediction perfect: the realised surface's error against each realised scalar's
+            "error_ratio_ceiling": {"vs_length": errors["length_oracle"]["mae"] / errors["oracle"]["mae"],
+                                    "vs_steps": errors["steps_oracle"]["mae"] / errors["oracle"]["mae"]},
+            # the same ratios for the continuation block head and for the median point prediction
+            "error_ratio_vs_length_by_predictor": mae_ratios("length", ("dws", "dws_continue", "dws_median")),
+            "error_ratio_vs_steps_by_predictor": mae_ratios("steps", ("dws", "dws_continue", "dws_median")),
+            "predictor_dir": os.path.join(self.pred_dir, "surface_length"),
+            "predicted_surface_invariant_violations": self.surface_violations,
+            "transfer": transfer,
+            "latency": single["latency"],
+            "ttft": single["ttft"],
+            "latency_batched": {k: v["latency"] for k, v in latency.items() if k != "slots_1"},
+            "ttft_batched": {k: v["ttft"] for k, v in latency.items() if k != "slots_1"},
+            "per_seed_mean_latency": single["per_seed_mean_latency"],
+            "latency_ratio_fcfs_over_sjf_dws": mean_at("fcfs") / mean_at("sjf_dws"),
+            "latency_ratio_sjf_length_over_sjf_dws": mean_at("sjf_length") / mean_at("sjf_dws"),
+            "latency_ratio_sjf_steps_over_sjf_dws": mean_at("sjf_steps") / mean_at("sjf_dws"),
+            "predictor_ms_per_prompt": pred_ms,
+            "predictor_train_s": self.train_s,
+            # per test request, for offline analysis: measured runs and every predictor's cost
+            "requests": [{"source": p.source, "prompt_len": lg.prompt_len, "steps_per_block": lg.steps_per_block,
+                          "output_len": len(lg.output),
+                          "cost_s": lg.total_s, "first_block_s": lg.first_block_s, "cost_bf16_s": lg16.total_s,
+                          "predicted_cost_s": {k: float(v[i]) for k, v in self.pred_cost.items()}}
+                         for i, (p, lg, lg16) in enumerate(zip(self.test_p, test_logs, self.test16))],
+            "wall_s": time.perf_counter() - self.t_start,
+        }
 
 
 def _plots(base: str, s_pred: np.ndarray, s_true: np.ndarray, prompts, latency: dict, loads) -> dict:
@@ -359,13 +377,7 @@ def _predictor_latency(predictor_dir: str, model, texts: list[str], block_size: 
 
 
 def predictor_latency_child(spec: dict) -> dict:
-    import jax.numpy as jnp
-
-    from relf_jax import workflows
-    from relf_jax.dws import cost_model as cm
-    from relf_jax.dws import predictor as pr
-
-    lm = workflows.load_model(spec["dir"], "dws")
+    lm = load_model(spec["dir"], "dws")
     model = cm.CostModel.from_dict(spec["cost_model"])
     tok, cfg, max_len = lm.tokenizer, lm.model_cfg, spec["max_len"]
 
@@ -375,7 +387,7 @@ def predictor_latency_child(spec: dict) -> dict:
         cut = ids[-max_len:]
         arr[0, :len(cut)] = cut
         length = np.asarray([len(ids)], np.int32)
-        s = np.asarray(pr._forward(lm.graphdef, lm.params, jnp.asarray(arr), jnp.asarray(length)))
+        s = pr.predict(lm.graphdef, lm.params, arr, length)
         return model.predict(length / cfg.block_size, s)[0]
 
     for text in spec["texts"][:5]:

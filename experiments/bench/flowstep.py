@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from experiments.bench.common import kernel_vs_reference, write_json
+from experiments.bench.common import kernel_timing_text, kernel_vs_reference, write_kernel_report
 
 
 def bench_flowstep(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = ()) -> dict:
@@ -37,9 +37,6 @@ def bench_flowstep(out: str, quick: bool = False, workdir: str | None = None, ov
         row = {"t": t, "batch": b, "length": length, "vocab": v, "dim": d, "max_abs_diff": diff,
                **kernel_vs_reference(ref, ker, args, 3 if interpret else 20)}
         rows.append(row)
-        print(f"[bench flowstep] {backend} t={t} B={b} L={length} V={v}: max|diff| {diff:.2e}  ref "
-              f"{row['reference_ms']:.3f} ms  kernel {row['kernel_ms']:.3f} ms  "
-              f"x{row['speedup_kernel_over_reference']:.2f}", flush=True)
-    report = {"backend": backend, "interpret": interpret, "device": str(jax.devices()[0]), "rows": rows}
-    write_json(out, report)
-    return report
+        print(f"[bench flowstep] {backend} t={t} B={b} L={length} V={v}: max|diff| {diff:.2e}  "
+              f"{kernel_timing_text(row)}", flush=True)
+    return write_kernel_report(out, rows, interpret)

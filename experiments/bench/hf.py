@@ -31,7 +31,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from experiments.bench.common import ensure_target_and_draft, held_out_prompts, write_json
+from experiments.bench.common import ensure_target_and_draft, held_out_prompts
+from relf_jax.io import write_json
 
 
 def _timed(fn, reps: int) -> float:

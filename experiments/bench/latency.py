@@ -9,8 +9,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from experiments.bench.common import find_row, write_json
+from experiments.bench.common import find_row
 from relf_jax.config import make_config
+from relf_jax.io import write_json
 
 
 def bench_latency(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = ()) -> dict:

@@ -38,7 +38,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from experiments.bench.common import draft_steps, ensure_target_and_draft, write_json
+from experiments.bench.common import draft_steps, ensure_target_and_draft
+from relf_jax.io import write_json
 
 VARIANTS = ("a_distilled", "b_online_distill", "c_rcsd")
 MAIN_VARIANTS = (*VARIANTS, "c_rcsd_beta1")
@@ -67,9 +68,9 @@ QUICK = RCSDBenchSizes(seeds=3, cycles=2, prompts_per_cycle=8, steps_per_cycle=5
 
 
 def _prompt_ids(grammar, tok, n: int, seed: int, topics=None) -> list[list[int]]:
-    from relf_jax import workflows
+    from relf_jax.data.tokenizer import encode_prompt
 
-    return [workflows.encode_prompt(tok, info["prompt"]) for info in grammar.sample_with_info(n, seed, topics)]
+    return [encode_prompt(tok, info["prompt"]) for info in grammar.sample_with_info(n, seed, topics)]
 
 
 def _loss(variant: str):
@@ -98,14 +99,16 @@ def _run_variant(target, draft, run_dir: str, variant: str, settings, batches, e
 
 
 def bench_rcsd(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = ()) -> dict:
-    from relf_jax import workflows
+    from relf_jax.eval.evaluate import exact_judge
+    from relf_jax.loading import load_model
     from relf_jax.speculative.continual import ContinualSettings
+    from relf_jax.speculative.recipes import train_draft
 
     preset = "tiny" if quick else "cpu"
     sizes = QUICK if quick else RCSDBenchSizes()
     workdir = workdir or os.path.join("runs", f"bench_spec_{preset}")  # shares models with `bench spec`
     cfg, target, draft = ensure_target_and_draft(preset, workdir, overrides)
-    grammar = workflows.exact_judge(cfg).grammar
+    grammar = exact_judge(cfg).grammar
     tok = target.tokenizer
     base = ContinualSettings(steps_per_cycle=sizes.steps_per_cycle, batch_size=sizes.batch_size, serve_batch=8,
                              learning_rate=sizes.learning_rate, k=4, rule="standard", temperature=1.0,
@@ -142,8 +145,8 @@ def bench_rcsd(out: str, quick: bool = False, workdir: str | None = None, overri
     if sizes.reference_distill_factor:
         ref_steps = sizes.reference_distill_factor * draft_steps(cfg)
         ref_dir = os.path.join(workdir, f"draft_steps{ref_steps}")
-        workflows.train_draft(workdir, [f"train.steps={ref_steps}"], workdir=ref_dir)
-        _, ref = _run_variant(target, workflows.load_model(ref_dir, "ar"), os.path.join(root, "reference"),
+        train_draft(workdir, [f"train.steps={ref_steps}"], workdir=ref_dir)
+        _, ref = _run_variant(target, load_model(ref_dir, "ar"), os.path.join(root, "reference"),
                               "a_distilled", base, [], eval_ids, eval_seed=4242)
         report["reference"] = {"distill_steps": ref_steps, "tau": ref["tau"],
                                "tokens_per_s": ref["tokens_per_s"]}
@@ -155,9 +158,9 @@ def bench_rcsd(out: str, quick: bool = False, workdir: str | None = None, overri
     k_topics = grammar.K
     seen, unseen = list(range(k_topics // 2)), list(range(k_topics // 2, k_topics))
     shift_dir = os.path.join(workdir, "draft_topics_" + "-".join(map(str, seen)))
-    workflows.train_draft(workdir, [f"data.topics={','.join(map(str, seen))}",
+    train_draft(workdir, [f"data.topics={','.join(map(str, seen))}",
                                     f"train.steps={sizes.shift_distill_steps}"], workdir=shift_dir)
-    shifted_draft = workflows.load_model(shift_dir, "ar")
+    shifted_draft = load_model(shift_dir, "ar")
     shift_eval = _prompt_ids(grammar, tok, sizes.eval_prompts, seed=888_000, topics=unseen)
     stream = _prompt_ids(grammar, tok, n, seed=2_000, topics=unseen)
     batches = [stream[c * sizes.prompts_per_cycle:(c + 1) * sizes.prompts_per_cycle] for c in range(sizes.cycles)]

@@ -1,6 +1,6 @@
 """`relf-jax bench relf`: ReLF vs AR on `synthetic_chat` under the exact judge, in one run.
 
-Composition only (every step is a `relf_jax.workflows` call). For each of two training
+Composition only (every step is a library call). For each of two training
 budgets (``train.steps`` and half of it; the same number of training rows of ``seq_len``
 tokens for AR and ReLF) it trains an AR and a ReLF model of the same size and samples whole
 conversations (unconditional, up to ``seq_len`` tokens) from both:
@@ -48,7 +48,8 @@ import os
 import time
 from collections.abc import Sequence
 
-from experiments.bench.common import held_out_prompts, write_json
+import relf_jax as rj
+from experiments.bench.common import held_out_prompts
 from experiments.bench.relf_core import bench_relf_core
 from experiments.bench.relf_rows import latency_rows, prompted_rows, relf_rows, result_row, run_dir
 from experiments.bench.relf_targets import targets
@@ -64,10 +65,16 @@ from experiments.bench.relf_variants import (
     QUICK_AR_TEMPERATURES,
     REFLOW_EXTENSIONS,
 )
-from relf_jax import workflows
 from relf_jax.config import make_config
+from relf_jax.data.prepare import prepare_data, prepare_tokenizer
 from relf_jax.eval.baselines import positional_unigram_samples
+from relf_jax.eval.evaluate import exact_judge
+from relf_jax.flow.generate import sample_relf
+from relf_jax.flow.recipes import reflow
 from relf_jax.flow.reflow import DATA_WEIGHT
+from relf_jax.io import write_json
+from relf_jax.loading import load_model
+from relf_jax.speculative.recipes import sample
 
 
 def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),
@@ -99,9 +106,9 @@ class _ReLFBench:
         self.root = os.path.abspath(workdir or os.path.join("runs", f"bench_relf_{preset}"))
         self.base = make_config(preset, list(overrides), workdir=os.path.join(self.root, "shared"))
         # one data set and tokenizer for every model of the run
-        self.builder = workflows.prepare_data(self.base)
-        self.tok = workflows.prepare_tokenizer(self.base, self.builder)
-        self.judge = workflows.exact_judge(self.base)
+        self.builder = prepare_data(self.base)
+        self.tok = prepare_tokenizer(self.base, self.builder)
+        self.judge = exact_judge(self.base)
         # samples per row: at 64, four seeds of one row (the blind-spot model, 8-NFE Euler) gave gen
         # PPL 473-559, too wide for the 20 % reflow target; at 256 two seeds gave 523 and 526
         self.n = 32 if quick else 256
@@ -124,18 +131,18 @@ class _ReLFBench:
     def train_relf(self, name: str, steps: int, extra: Sequence[str]):
         """(run directory, model): a ReLF model with overrides `extra`, in its own directory `name`."""
         wd = run_dir(self.root, name, self.base)
-        workflows.train_lm(make_config(self.preset, [*self.overrides, f"train.steps={steps}", "model=relf", *extra],
+        rj.train(make_config(self.preset, [*self.overrides, f"train.steps={steps}", "model=relf", *extra],
                                        workdir=wd))
-        return wd, workflows.load_model(os.path.join(wd, "relf"), "relf")
+        return wd, load_model(os.path.join(wd, "relf"), "relf")
 
     def reflow_study(self, model_wd: str, variant: str) -> dict:
         """Two reflow rounds and two no-pairs control rounds from the model in `model_wd`/relf."""
         study = {}
         for kind, extra, name in (("pairs", {}, "relf_reflow"), ("nopairs", NO_PAIRS, "relf_nopairs")):
-            study[kind] = workflows.reflow(model_wd, rounds=2, num_pairs=self.pairs, steps=self.reflow_steps,
+            study[kind] = reflow(model_wd, rounds=2, num_pairs=self.pairs, steps=self.reflow_steps,
                                            name=name, **extra)
             for r in (1, 2):
-                rlm = workflows.load_model(os.path.join(model_wd, f"{name}{r}"), "relf")
+                rlm = load_model(os.path.join(model_wd, f"{name}{r}"), "relf")
                 relf_rows(self.record, rlm, self.judge, self.n, self.full, rounds=r,
                           variant=variant if kind == "pairs" else f"{variant}_nopairs",
                           nfes=EULER_NFES if kind == "pairs" else (8, 16))
@@ -172,24 +179,24 @@ class _ReLFBench:
         cfg = make_config(self.preset, [*self.overrides, f"train.steps={steps}"], workdir=wd)
         ar_lm = None
         if self.models or "latency" in self.parts:
-            workflows.train_lm(cfg)
-            ar_lm = workflows.load_model(wd, "ar")
+            rj.train(cfg)
+            ar_lm = load_model(wd, "ar")
         for temperature in self.temps if self.models else ():
             sc = dataclasses.replace(ar_lm.cfg.sample, temperature=temperature, top_k=0, top_p=1.0,
                                      max_new_tokens=cfg.data.seq_len - 1, num_samples=self.n)
-            s = workflows.sample(ar_lm, n=self.n, sample_cfg=sc)
+            s = sample(ar_lm, n=self.n, sample_cfg=sc)
             self.record(result_row(s, self.judge, method=f"ar T={temperature:g}", nfe=None, reflow_rounds=0,
                                    steps=steps, variant="ar", temperature=temperature, batch=sc.batch_size))
-        workflows.train_lm(make_config(self.preset, [*self.overrides, f"train.steps={steps}", "model=relf"],
+        rj.train(make_config(self.preset, [*self.overrides, f"train.steps={steps}", "model=relf"],
                                        workdir=wd))
-        lm = workflows.load_model(os.path.join(wd, "relf"), "relf")
+        lm = load_model(os.path.join(wd, "relf"), "relf")
         if self.models or "reflow" in self.parts:
             relf_rows(self.record, lm, self.judge, self.n, steps, rounds=0, variant="relf", renoise_pair=True)
         if steps != self.full:
             # ablations at the smaller budget (CPU time), against that budget's ReLF rows
             for name, extra in ABLATIONS.items():
                 _, alm = self.train_relf(f"steps{steps}_{name}", steps, extra)
-                s = workflows.sample_relf(alm, self.n, nfe=64, sampler="stochastic")
+                s = sample_relf(alm, self.n, nfe=64, sampler="stochastic")
                 self.record(result_row(s, self.judge, method=f"relf stochastic {name}", nfe=64, reflow_rounds=0,
                                        steps=steps, variant=name, batch=alm.cfg.sample.batch_size))
             return
@@ -200,11 +207,11 @@ class _ReLFBench:
         plm = None
         if self.models:
             for g in GUIDANCE[1:]:
-                s = workflows.sample_relf(lm, self.n, nfe=64, sampler="stochastic", guidance=g)
+                s = sample_relf(lm, self.n, nfe=64, sampler="stochastic", guidance=g)
                 self.record(result_row(s, self.judge, method=f"relf stochastic w={g:g}", nfe=64, reflow_rounds=0,
                                        steps=steps, variant="guidance", guidance=g, batch=lm.cfg.sample.batch_size))
             _, plm = self.train_relf(f"steps{steps}_prompt_training", steps, PROMPT_TRAINING)
-            s = workflows.sample_relf(plm, self.n, nfe=64, sampler="stochastic")
+            s = sample_relf(plm, self.n, nfe=64, sampler="stochastic")
             self.record(result_row(s, self.judge, method="relf stochastic prompt_training", nfe=64, reflow_rounds=0,
                                    steps=steps, variant="prompt_training", batch=plm.cfg.sample.batch_size))
         for name, extra in EXTENSIONS.items():

@@ -8,13 +8,19 @@ import os
 import time
 from collections.abc import Sequence
 
-from experiments.bench.common import text_tokens_per_step, write_json
+import relf_jax as rj
+from experiments.bench.common import text_tokens_per_step
 from experiments.bench.relf_rows import result_row, run_dir
 from experiments.bench.relf_targets import ratio
 from experiments.bench.relf_variants import AR_TEMPERATURES, CORE_VARIANTS, QUICK_AR_TEMPERATURES
-from relf_jax import workflows
 from relf_jax.config import make_config
+from relf_jax.data.prepare import prepare_data, prepare_tokenizer, row_mode
 from relf_jax.eval.baselines import ar_ppl_at_entropy, positional_unigram_samples
+from relf_jax.eval.evaluate import exact_judge
+from relf_jax.flow.generate import sample_relf
+from relf_jax.io import write_json
+from relf_jax.loading import load_model
+from relf_jax.speculative.recipes import sample
 
 
 def bench_relf_core(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),
@@ -28,9 +34,9 @@ def bench_relf_core(out: str, quick: bool = False, workdir: str | None = None, o
     preset = preset or ("tiny" if quick else "cpu")
     root = os.path.abspath(workdir or os.path.join("runs", f"bench_relf_core_{preset}"))
     base = make_config(preset, list(overrides), workdir=os.path.join(root, "shared"))
-    builder = workflows.prepare_data(base)
-    tok = workflows.prepare_tokenizer(base, builder)
-    judge = workflows.exact_judge(base)
+    builder = prepare_data(base)
+    tok = prepare_tokenizer(base, builder)
+    judge = exact_judge(base)
     n = num_samples or (32 if quick else 256)
     steps = base.train.steps
     t0 = time.perf_counter()
@@ -45,30 +51,30 @@ def bench_relf_core(out: str, quick: bool = False, workdir: str | None = None, o
 
     relf_cfg = make_config(preset, [*overrides, "model=relf"], workdir=root)
     tokens = {"ar": float(base.train.batch_size * base.data.seq_len),  # packed: every target is text
-              "relf": text_tokens_per_step(relf_cfg, builder, tok, workflows.row_mode(relf_cfg))}
+              "relf": text_tokens_per_step(relf_cfg, builder, tok, row_mode(relf_cfg))}
     print(f"[bench relf core] text tokens per step: AR {tokens['ar']:.0f}, ReLF {tokens['relf']:.0f}", flush=True)
     uni = positional_unigram_samples(builder, tok, n, base.data.seq_len)
     record(result_row(uni, judge, method="positional unigram", nfe=None, reflow_rounds=0, steps=0,
                       variant="reference"))
     wd = run_dir(root, f"steps{steps}", base)
-    workflows.train_lm(make_config(preset, [*overrides], workdir=wd))
-    ar_lm = workflows.load_model(wd, "ar")
+    rj.train(make_config(preset, [*overrides], workdir=wd))
+    ar_lm = load_model(wd, "ar")
     for temperature in (QUICK_AR_TEMPERATURES if quick else AR_TEMPERATURES):
         sc = dataclasses.replace(ar_lm.cfg.sample, temperature=temperature, top_k=0, top_p=1.0,
                                  max_new_tokens=base.data.seq_len - 1, num_samples=n)
-        s = workflows.sample(ar_lm, n=n, sample_cfg=sc)
+        s = sample(ar_lm, n=n, sample_cfg=sc)
         record(result_row(s, judge, method=f"ar T={temperature:g}", nfe=None, reflow_rounds=0, steps=steps,
                           variant="ar", temperature=temperature, batch=sc.batch_size,
                           text_tokens_per_step=tokens["ar"]))
     for variant, extra in CORE_VARIANTS.items():
         vwd = run_dir(root, f"steps{steps}_{variant}", base)
-        workflows.train_lm(make_config(preset, [*overrides, "model=relf", *extra], workdir=vwd))
-        lm = workflows.load_model(os.path.join(vwd, "relf"), "relf")
+        rj.train(make_config(preset, [*overrides, "model=relf", *extra], workdir=vwd))
+        lm = load_model(os.path.join(vwd, "relf"), "relf")
         runs = [("stochastic", 64)] + ([("euler", 16), ("euler", 8)] if variant != "plain" else [])
         text = tokens["relf"] if variant == "relf" else text_tokens_per_step(
-            lm.cfg, builder, tok, workflows.row_mode(lm.cfg))
+            lm.cfg, builder, tok, row_mode(lm.cfg))
         for sampler, nfe in runs:
-            s = workflows.sample_relf(lm, n, nfe=nfe, sampler=sampler)
+            s = sample_relf(lm, n, nfe=nfe, sampler=sampler)
             method = f"relf {sampler}" + ("" if variant == "relf" else f" {variant}")
             record(result_row(s, judge, method=method, nfe=nfe, reflow_rounds=0, steps=steps, variant=variant,
                               batch=lm.cfg.sample.batch_size, text_tokens_per_step=text))

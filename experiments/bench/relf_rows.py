@@ -15,9 +15,11 @@ import numpy as np
 
 from experiments.bench.common import reply_quality
 from experiments.bench.relf_variants import EULER_NFES
-from relf_jax import workflows
-from relf_jax.data.tokenizer import turn_stop_ids
+from relf_jax.data.tokenizer import encode_prompt, turn_stop_ids
+from relf_jax.eval.evaluate import evaluate_samples
+from relf_jax.flow.generate import sample_relf
 from relf_jax.sampling import autoregressive as ar
+from relf_jax.speculative.recipes import sample
 
 
 def run_dir(root: str, name: str, base) -> str:
@@ -35,7 +37,7 @@ def run_dir(root: str, name: str, base) -> str:
 
 def result_row(samples, judge, *, method, nfe, reflow_rounds, steps, variant, batch: int = 8, **extra) -> dict:
     """One result row; latency_s is the decode time of one batch of `batch` sequences."""
-    q = workflows.evaluate_samples(samples, judge)
+    q = evaluate_samples(samples, judge)
     batches = max(1, math.ceil(len(samples.texts) / batch))
     # all-empty samples (a degenerate model) have no gen PPL: null in the JSON, not NaN
     ppl = q["gen_ppl"] if math.isfinite(q["gen_ppl"]) else None
@@ -54,16 +56,16 @@ def prompted_rows(ar_lm, relf_lm, prompt_lm, judge, prompts: Sequence[str], *, s
     stochastic and 16-NFE Euler. Rows: method, nfe, variant, prompt_mode, gen_ppl, entropy,
     reply_words, ended (share of replies that reached the end of their turn)."""
     sc = ar_lm.cfg.sample
-    longest = max(len(workflows.encode_prompt(ar_lm.tokenizer, p)) for p in prompts)
+    longest = max(len(encode_prompt(ar_lm.tokenizer, p)) for p in prompts)
     room = min(relf_lm.cfg.data.seq_len, ar_lm.model_cfg.max_seq_len) - longest
-    runs = [(f"ar T={t:g}", None, "ar", "-", lambda t=t: workflows.sample(
+    runs = [(f"ar T={t:g}", None, "ar", "-", lambda t=t: sample(
         ar_lm, prompts, sample_cfg=dataclasses.replace(sc, temperature=t, top_k=0, top_p=1.0, max_new_tokens=room)))
         for t in (1.0, 0.8)]
     for label, model, mode in (("relf", relf_lm, "renoise"), ("relf prompt_training", prompt_lm, "clean"),
                                ("relf prompt_training", prompt_lm, "renoise")):
         for sampler, nfe in (("stochastic", 64), ("euler", 16)):
             runs.append((f"{label} {sampler} prompt {mode}", nfe, "relf" if model is relf_lm else "prompt_training",
-                         mode, lambda m=model, s=sampler, k=nfe, pm=mode: workflows.sample_relf(
+                         mode, lambda m=model, s=sampler, k=nfe, pm=mode: sample_relf(
                              m, prompts=prompts, nfe=k, sampler=s, prompt_mode=pm)))
     rows = []
     for method, nfe, variant, mode, run in runs:
@@ -80,7 +82,7 @@ def prompted_rows(ar_lm, relf_lm, prompt_lm, judge, prompts: Sequence[str], *, s
 
 def cut_turns(samples, tok=None):
     """AR samples (`tok` given) cut at the end of the reply's turn (EOS or the next ``<user>``);
-    ReLF prompted samples are cut already (`workflows.sample_relf`)."""
+    ReLF prompted samples are cut already (`sample_relf`)."""
     if tok is None:
         return samples
     stops = set(turn_stop_ids(tok))
@@ -95,11 +97,11 @@ def cut_turns(samples, tok=None):
 def relf_rows(record, lm, judge, n, steps, *, rounds, variant, renoise_pair=False, nfes=EULER_NFES):
     renoises = ("linear", "marginal") if renoise_pair else (lm.cfg.flow.renoise,)
     for renoise in renoises:
-        s = workflows.sample_relf(lm, n, nfe=64, sampler="stochastic", renoise=renoise)
+        s = sample_relf(lm, n, nfe=64, sampler="stochastic", renoise=renoise)
         record(result_row(s, judge, method=f"relf stochastic {renoise}", nfe=64, reflow_rounds=rounds,
                           steps=steps, variant=variant, renoise=renoise, batch=lm.cfg.sample.batch_size))
     for nfe in nfes:
-        s = workflows.sample_relf(lm, n, nfe=nfe, sampler="euler")
+        s = sample_relf(lm, n, nfe=nfe, sampler="euler")
         record(result_row(s, judge, method="relf euler", nfe=nfe, reflow_rounds=rounds, steps=steps,
                           variant=variant, batch=lm.cfg.sample.batch_size))
 
@@ -118,7 +120,7 @@ def latency_rows(ar_lm, relf_lm, *, length: int, batches: Sequence[int], reps: i
             jax.block_until_ready(ar.generate(ar_lm.graphdef, ar_lm.params, prompts, lens, jax.random.key(i), sp,
                                               settings).tokens)
             ar_times.append(time.perf_counter() - t0)
-        relf_times = [workflows.sample_relf(relf_lm, batch, nfe=16, sampler="euler", batch_size=batch, length=length,
+        relf_times = [sample_relf(relf_lm, batch, nfe=16, sampler="euler", batch_size=batch, length=length,
                                             seed=i, warmup=i == 0).seconds for i in range(reps)]
         ar_s, relf_s = float(np.median(ar_times[1:])), float(np.median(relf_times))
         rows += [{"method": "ar (kv cache)", "nfe": length - 1, "batch": batch, "tokens": length, "latency_s": ar_s},

@@ -48,9 +48,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench.common import write_json
 from relf_jax.config import make_config
 from relf_jax.flow.exact import exact_residual
+from relf_jax.io import write_json
 
 PAD, EOS, BOS, FIRST_WORD = 0, 1, 2, 3
 
@@ -158,8 +158,8 @@ def _train(sz: ToySizes, rows, table, *, use_singular: bool = True, aux_weight: 
            overrides: Sequence[str]):
     """Train one variant; ``default``: the settings ``model=relf`` trains with (`overrides` apply),
     else the paper's parametrisation with the named changes (self-conditioning off)."""
-    from relf_jax import workflows
     from relf_jax.flow.losses import FlowLossSettings, make_flow_loss
+    from relf_jax.flow.recipes import flow_loss_settings
     from relf_jax.train.loop import train
 
     cfg = make_config(sz.preset, ["model=relf", f"train.steps={sz.steps}", f"train.batch_size={sz.batch}",
@@ -167,7 +167,7 @@ def _train(sz: ToySizes, rows, table, *, use_singular: bool = True, aux_weight: 
                                   f"train.eval_every={sz.steps}", f"train.seed={sz.seed}", *overrides],
                       workdir=workdir)
     if default:
-        settings = workflows.flow_loss_settings(cfg)
+        settings = flow_loss_settings(cfg)
         blind_spot = cfg.flow.blind_spot
     else:
         settings = FlowLossSettings(residual_bound=cfg.flow.residual_bound, use_singular=use_singular,

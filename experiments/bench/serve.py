@@ -49,16 +49,20 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from experiments.bench.common import draft_steps, reply_quality, write_json
+import relf_jax as rj
+from experiments.bench.common import draft_steps, reply_quality
 from experiments.bench.serve_batcher import batcher_part
 from experiments.bench.serve_client import chat_bodies, run_load, summarize_run
 from experiments.bench.serve_dws import dws_part
 from experiments.bench.serve_servers import ServerProcess, batch1_run, lean_route_batch1
-from relf_jax import workflows
 from relf_jax.config import make_config
 from relf_jax.dws.workload import workload_prompts
 from relf_jax.errors import UserError
+from relf_jax.eval.evaluate import exact_judge
+from relf_jax.io import write_json
+from relf_jax.loading import load_model
 from relf_jax.serving.simulator import poisson_arrivals
+from relf_jax.speculative.recipes import train_draft
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +114,8 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
     os.makedirs(workdir, exist_ok=True)
     t_start = time.perf_counter()
     cfg = ensure_models(workdir, sz.preset, overrides)
-    judge = workflows.exact_judge(cfg)
-    tok = workflows.load_model(workdir, "ar").tokenizer
+    judge = exact_judge(cfg)
+    tok = load_model(workdir, "ar").tokenizer
     n_all = max(sz.requests, sz.batch1_requests, sz.dws_requests)
     prompts = workload_prompts(tok, n_synthetic=int(n_all * 0.8) + 1, n_chatterbot=n_all // 5 + 1,
                                seed=sz.seed + 1234)
@@ -151,8 +155,8 @@ def summary(result: dict, parts: Sequence[str]) -> dict:
 def ensure_models(workdir: str, preset: str, overrides: Sequence[str]):
     """The target and its distilled draft in `workdir` (trained, resumed or reused); the config."""
     cfg = make_config(preset, list(overrides), workdir=workdir)
-    workflows.train_lm(cfg)
-    workflows.train_draft(cfg.workdir, [f"train.steps={draft_steps(cfg)}"])
+    rj.train(cfg)
+    train_draft(cfg.workdir, [f"train.steps={draft_steps(cfg)}"])
     return cfg
 
 

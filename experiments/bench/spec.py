@@ -16,18 +16,20 @@ import os
 import time
 from collections.abc import Sequence
 
-from experiments.bench.common import ensure_target_and_draft, find_row, held_out_prompts, reply_quality, write_json
+from experiments.bench.common import ensure_target_and_draft, find_row, held_out_prompts, reply_quality
 from relf_jax.config import SpeculativeConfig
+from relf_jax.io import write_json
 from relf_jax.speculative.cost import forward_costs
 
 
 def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = ()) -> dict:
-    from relf_jax import workflows
+    from relf_jax.eval.evaluate import exact_judge
+    from relf_jax.speculative.recipes import sample
 
     preset = "tiny" if quick else "cpu"
     workdir = workdir or os.path.join("runs", f"bench_spec_{preset}")
     cfg, lm, draft = ensure_target_and_draft(preset, workdir, overrides)
-    judge = workflows.exact_judge(cfg)
+    judge = exact_judge(cfg)
     max_new = 32 if quick else 64
     n_prompts = 8 if quick else 16
     prompts = held_out_prompts(cfg, n_prompts)
@@ -46,7 +48,7 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
             for method, rule, proposer, nsd in variants:
                 spc = SpeculativeConfig(rule=rule, k=k, proposer=proposer if proposer != "-" else "draft",
                                         nsd_top_p=nsd or 0.9)
-                s = workflows.sample(lm, prompts=prompts, sample_cfg=sc, speculative=spc,
+                s = sample(lm, prompts=prompts, sample_cfg=sc, speculative=spc,
                                      draft=draft if proposer == "draft" else None)
                 q = reply_quality(judge, prompts, s.texts, s.complete)
                 q = {"gen_ppl": q["gen_ppl"], "entropy": q["entropy"]}

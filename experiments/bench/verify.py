@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from experiments.bench.common import kernel_vs_reference, write_json
+from experiments.bench.common import kernel_timing_text, kernel_vs_reference, write_kernel_report
 
 
 def bench_verify(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = ()) -> dict:
@@ -45,8 +45,5 @@ def bench_verify(out: str, quick: bool = False, workdir: str | None = None, over
                    **kernel_vs_reference(ref, ker, args, reps)}
             rows.append(row)
             print(f"[bench verify] {backend} B={b:>2} K={k} V={v} {rule:>8}: agree={agree} "
-                  f"ref {row['reference_ms']:.3f} ms  kernel {row['kernel_ms']:.3f} ms  "
-                  f"x{row['speedup_kernel_over_reference']:.2f}", flush=True)
-    report = {"backend": backend, "interpret": interpret, "device": str(jax.devices()[0]), "rows": rows}
-    write_json(out, report)
-    return report
+                  f"{kernel_timing_text(row)}", flush=True)
+    return write_kernel_report(out, rows, interpret)

@@ -32,8 +32,8 @@ def export_args(p):
 
 
 def export(args) -> int:
-    from relf_jax import workflows
     from relf_jax.config import ConfigError
+    from relf_jax.loading import load_model
 
     family = "ar"
     for item in args.overrides:
@@ -41,7 +41,7 @@ def export(args) -> int:
         if key not in ("model", "model.family") or not value:
             raise ConfigError(f"export takes only model=ar|relf as an override, got {item!r}")
         family = value
-    lm = workflows.load_model(args.workdir, family)
+    lm = load_model(args.workdir, family)
     if args.format == "hf":
         from relf_jax.export.hf import export_hf
         out = export_hf(lm, args.out)

@@ -12,13 +12,13 @@ def train_args(p):
 
 
 def train(args) -> int:
-    from relf_jax import workflows
+    import relf_jax as rj
     from relf_jax.config import make_config
     from relf_jax.sharding import init_distributed
 
     cfg = make_config(args.preset, args.overrides, workdir=args.workdir or os.path.join("runs", args.preset))
     init_distributed(cfg.mesh.distributed)
-    res = workflows.train_lm(cfg)
+    res = rj.train(cfg)
     print(json.dumps({"workdir": res.workdir, "step": res.step, "loss": res.loss, "eval_loss": res.eval_loss,
                       "resumed_from": res.resumed_from}))
     return 0
@@ -30,8 +30,8 @@ def train_draft_args(p):
 
 
 def train_draft(args) -> int:
-    from relf_jax import workflows
     from relf_jax.config import ConfigError
+    from relf_jax.speculative.recipes import train_draft as distil_draft
 
     target = args.target
     rest = []
@@ -42,7 +42,7 @@ def train_draft(args) -> int:
             rest.append(item)
     if not target:
         raise ConfigError("train-draft needs the target run: --target DIR or target=DIR")
-    res = workflows.train_draft(target, rest, args.workdir)
+    res = distil_draft(target, rest, args.workdir)
     print(json.dumps({"workdir": res.workdir, "step": res.step, "loss": res.loss, "eval_loss": res.eval_loss}))
     return 0
 
@@ -59,8 +59,8 @@ def reflow_args(p):
 
 
 def reflow(args) -> int:
-    from relf_jax import workflows
     from relf_jax.config import ConfigError
+    from relf_jax.flow.recipes import reflow as reflow_rounds
     from relf_jax.flow.reflow import DATA_WEIGHT
 
     data_weight = DATA_WEIGHT if args.data_weight is None else args.data_weight
@@ -70,7 +70,7 @@ def reflow(args) -> int:
                           "not both 0")
     if not args.name or os.sep in args.name or args.name == "relf":
         raise ConfigError(f"--name must be a plain directory name other than 'relf', got {args.name!r}")
-    print(json.dumps(workflows.reflow(args.workdir, args.rounds, num_pairs=args.pairs, steps=args.steps,
+    print(json.dumps(reflow_rounds(args.workdir, args.rounds, num_pairs=args.pairs, steps=args.steps,
                                       data_weight=data_weight, pair_weight=args.pair_weight,
                                       name=args.name), indent=2))
     return 0
@@ -93,11 +93,11 @@ def rcsd_args(p):
 
 def _rcsd_prompts(args, target, n: int) -> list[str]:
     """`n` prompt texts: the --prompts file's lines in turn, else fresh synthetic_chat prompts."""
-    from relf_jax import workflows
     from relf_jax.config import ConfigError
+    from relf_jax.eval.evaluate import exact_judge
 
     if not args.prompts:
-        judge = workflows.exact_judge(target.cfg)
+        judge = exact_judge(target.cfg)
         return [info["prompt"] for info in judge.grammar.sample_with_info(n, 4242)]
     if not os.path.exists(args.prompts):
         raise ConfigError(f"--prompts file {args.prompts} does not exist")
@@ -109,8 +109,9 @@ def _rcsd_prompts(args, target, n: int) -> list[str]:
 
 
 def rcsd(args) -> int:
-    from relf_jax import workflows
     from relf_jax.config import ConfigError
+    from relf_jax.data.tokenizer import encode_prompt
+    from relf_jax.loading import load_model
     from relf_jax.speculative.continual import ContinualDraftTrainer, ContinualSettings
     from relf_jax.speculative.rcsd import RCSDLossSettings
 
@@ -118,10 +119,10 @@ def rcsd(args) -> int:
             or args.batch_size < 1 or not args.learning_rate > 0):
         raise ConfigError("rcsd needs --cycles >= 1, --prompts-per-cycle >= 1, --steps-per-cycle >= 0, "
                           "--batch-size >= 1, --learning-rate > 0, --pref-weight >= 0")
-    target = workflows.load_model(args.target, "ar")
-    draft = workflows.load_model(args.draft or os.path.join(args.target, "draft"), "ar")
+    target = load_model(args.target, "ar")
+    draft = load_model(args.draft or os.path.join(args.target, "draft"), "ar")
     texts = _rcsd_prompts(args, target, args.cycles * args.prompts_per_cycle)
-    ids = [workflows.encode_prompt(target.tokenizer, t) for t in texts]
+    ids = [encode_prompt(target.tokenizer, t) for t in texts]
     batches = [ids[c * args.prompts_per_cycle:(c + 1) * args.prompts_per_cycle] for c in range(args.cycles)]
     k, context = 4, min(target.model_cfg.max_seq_len, draft.model_cfg.max_seq_len)
     prompt_len = min(64, context // 2)

@@ -29,7 +29,7 @@ def positional_unigram_rows(builder, tok, n: int, length: int, *, docs: int = 50
 def positional_unigram_samples(builder, tok, n: int, length: int, *, docs: int = 5000, seed: int = 0):
     """`positional_unigram_rows` decoded like ReLF samples (`Samples`). A whole-sequence model
     whose samples score no better has learned nothing beyond per-position statistics."""
-    from relf_jax.workflows import samples_from_rows
+    from relf_jax.sampling.batch import samples_from_rows
 
     return samples_from_rows(tok, positional_unigram_rows(builder, tok, n, length, docs=docs, seed=seed))
 
