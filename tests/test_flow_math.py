@@ -275,8 +275,10 @@ def test_euler_rollout_lands_on_embeddings_only_with_singular_logits():
     z_off, _ = samplers.euler_integrate(z0, zero_residual(), e, ts, c=5.0, use_singular=False)
     assert np.mean(nearest_row_distance(z_off, e) > 1e-4) > 0.9
 
-    run = functools.partial(samplers.euler_sample, jax.random.key(0), zero_residual(), e,
-                            batch=B, length=L, nfe=24, c=5.0)
+    def run(**kw):
+        settings = samplers.FlowSamplerSettings(nfe=24, c=5.0, **kw)
+        return samplers.sample(jax.random.key(0), zero_residual(), e, settings, batch=B, length=L)
+
     tokens, z_sample = run()
     toks = np.asarray(tokens)
     np.testing.assert_array_equal(np.asarray(z_sample), e[toks])

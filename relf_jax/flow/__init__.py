@@ -17,12 +17,10 @@ from relf_jax.flow.embeddings import (
 from relf_jax.flow.samplers import (
     FlowSamplerSettings,
     euler_integrate,
-    euler_sample,
     final_tokens,
     guided_residual,
     sample,
     stochastic_integrate,
-    stochastic_sample,
     time_grid,
 )
 from relf_jax.flow.singular import (
@@ -45,7 +43,6 @@ __all__ = [
     "cooccurrence_counts",
     "cooccurrence_sparse",
     "euler_integrate",
-    "euler_sample",
     "final_tokens",
     "flow_step",
     "gaussian_embeddings",
@@ -60,7 +57,6 @@ __all__ = [
     "sample",
     "singular_logits",
     "stochastic_integrate",
-    "stochastic_sample",
     "straightness",
     "time_grid",
     "velocity",

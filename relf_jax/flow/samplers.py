@@ -20,7 +20,7 @@ prompt (``flow.prompt_prob``): the prompt positions hold x1 itself throughout, a
 is called as ``residual_fn(z, t, sc, known_mask)``.
 
 The functions are traceable, not jitted: a caller jits them with the network parameters as
-arguments (``jax.jit(lambda params, key, e: euler_sample(key, partial(apply, params), e, ...))``)
+arguments (``jax.jit(lambda params, key, e: sample(key, partial(apply, params), e, settings, ...))``)
 so nothing is closed over; static settings (shapes, nfe, grid, c, guidance...) are Python
 values, so one compilation per setting and shape.
 """
@@ -276,81 +276,12 @@ def _known_key(key, known, prompt="renoise"):
     return None if known is None or prompt == "clean" else jax.random.fold_in(key, KNOWN_KEY_SALT)
 
 
-def _check_static(nfe, grid, c, t_eps):
-    FlowSamplerSettings(nfe=nfe, grid=grid, c=c, t_eps=t_eps)
-
-
 def _finish(residual_fn, z, sc, embeddings, *, c, guidance, use_singular, t_eps, known=None, prompt="renoise"):
     """(argmax tokens at t = 1, landed Z_1) after either integrator."""
     known_mask = known[0] if known is not None and prompt == "clean" else None
     tokens = final_tokens(residual_fn, z, sc, embeddings, c=c, guidance=guidance,
                           use_singular=use_singular, t_eps=t_eps, known_mask=known_mask)
     return tokens, _land(z, tokens, embeddings, use_singular)
-
-
-def euler_sample(
-    key: jax.Array,
-    residual_fn: ResidualFn,
-    embeddings: jax.Array,
-    *,
-    batch: int,
-    length: int,
-    nfe: int,
-    c: float | None,
-    guidance: float = 1.0,
-    grid: str = "uniform",
-    use_singular: bool = True,
-    t_eps: float = DEFAULT_T_EPS,
-    known=None,
-    prompt: str = "renoise",
-) -> tuple[jax.Array, jax.Array]:
-    """Euler ODE sampler: (tokens [B, L] int32, Z at t = 1 [B, L, d] float32).
-
-    Z_0 ~ N(0, I); nfe Euler steps over `time_grid(nfe, grid)`. The last step ends at t = 1
-    exactly, so the integrated Z_1 is the last X1_hat: an embedding row once the posterior has
-    decided (`euler_integrate` returns that raw end point). With the singular logits on, the
-    returned Z is E[tokens] exactly (the t -> 1 limit of X1_hat, which no coarse grid can
-    leave as a mixture); without them (ablation) it is the raw end point.
-    """
-    _check_static(nfe, grid, c, t_eps)
-    z0 = jax.random.normal(key, (batch, length, jnp.shape(embeddings)[1]), jnp.float32)
-    z, sc = euler_integrate(z0, residual_fn, embeddings, time_grid(nfe, grid), c=c, guidance=guidance,
-                            use_singular=use_singular, t_eps=t_eps, known=known,
-                            known_key=_known_key(key, known, prompt), prompt=prompt)
-    return _finish(residual_fn, z, sc, embeddings, c=c, guidance=guidance, use_singular=use_singular, t_eps=t_eps,
-                   known=known, prompt=prompt)
-
-
-def stochastic_sample(
-    key: jax.Array,
-    residual_fn: ResidualFn,
-    embeddings: jax.Array,
-    *,
-    batch: int,
-    length: int,
-    nfe: int,
-    c: float | None,
-    gamma: float = 1.0,
-    guidance: float = 1.0,
-    grid: str = "uniform",
-    use_singular: bool = True,
-    t_eps: float = DEFAULT_T_EPS,
-    renoise: str = "linear",
-    known=None,
-    prompt: str = "renoise",
-) -> tuple[jax.Array, jax.Array]:
-    """Stochastic sampler (see `stochastic_integrate`): (tokens [B, L] int32, Z_1 [B, L, d])."""
-    _check_static(nfe, grid, c, t_eps)
-    if gamma < 0 or renoise not in RENOISE:
-        raise ValueError(f"need gamma >= 0 and renoise in {RENOISE}, got {gamma}, {renoise!r}")
-    z_key, noise_key = jax.random.split(key)
-    z0 = jax.random.normal(z_key, (batch, length, jnp.shape(embeddings)[1]), jnp.float32)
-    z, sc = stochastic_integrate(z0, jax.random.split(noise_key, nfe), residual_fn, embeddings,
-                                 time_grid(nfe, grid), c=c, gamma=gamma, guidance=guidance,
-                                 use_singular=use_singular, t_eps=t_eps, renoise=renoise, known=known,
-                                 known_key=_known_key(key, known, prompt), prompt=prompt)
-    return _finish(residual_fn, z, sc, embeddings, c=c, guidance=guidance, use_singular=use_singular, t_eps=t_eps,
-                   known=known, prompt=prompt)
 
 
 def sample(
@@ -363,15 +294,25 @@ def sample(
     length: int,
     known=None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Run the sampler `settings.sampler` with those settings: (tokens [B, L], Z_1 [B, L, d]).
+    """Run the sampler `settings.sampler` with those settings: (tokens [B, L] int32, Z_1 [B, L, d]).
 
+    Z_0 ~ N(0, I); `settings.nfe` steps over `time_grid(nfe, grid)`: Euler ("euler", see
+    `euler_integrate`) or renoise-then-Euler ("stochastic", `stochastic_integrate`; Z_0 and the
+    steps' noise from a split of `key`). The last step ends at t = 1 exactly, so the integrated
+    Z_1 is the last X1_hat: an embedding row once the posterior has decided. With the singular
+    logits on, the returned Z is E[tokens] exactly (the t -> 1 limit of X1_hat, which no coarse
+    grid can leave as a mixture); without them (ablation) it is the raw end point.
     known: optional (mask [B, L] bool, x1 [B, L, d]) positions to condition on (a prompt); their
     noise comes from `key` too (see `euler_integrate`); `settings.prompt` says how it is held."""
-    common = {"batch": batch, "length": length, "nfe": settings.nfe, "c": settings.c, "known": known,
-              "prompt": settings.prompt,
-              "guidance": settings.guidance, "grid": settings.grid,
-              "use_singular": settings.use_singular, "t_eps": settings.t_eps}
-    if settings.sampler == "euler":
-        return euler_sample(key, residual_fn, embeddings, **common)
-    return stochastic_sample(key, residual_fn, embeddings, gamma=settings.gamma,
-                             renoise=settings.renoise, **common)
+    st = settings
+    if st.sampler == "euler":
+        z_key, step_keys, gamma, renoise = key, None, 0.0, "linear"
+    else:
+        z_key, noise_key = jax.random.split(key)
+        step_keys, gamma, renoise = jax.random.split(noise_key, st.nfe), st.gamma, st.renoise
+    z0 = jax.random.normal(z_key, (batch, length, jnp.shape(embeddings)[1]), jnp.float32)
+    z, sc = _integrate(z0, residual_fn, embeddings, time_grid(st.nfe, st.grid), step_keys, c=st.c,
+                       guidance=st.guidance, use_singular=st.use_singular, t_eps=st.t_eps, gamma=gamma,
+                       renoise=renoise, known=known, known_key=_known_key(key, known, st.prompt), prompt=st.prompt)
+    return _finish(residual_fn, z, sc, embeddings, c=st.c, guidance=st.guidance, use_singular=st.use_singular,
+                   t_eps=st.t_eps, known=known, prompt=st.prompt)
