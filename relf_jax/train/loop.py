@@ -203,116 +203,168 @@ def train(cfg: Config, model_cfg: ModelConfig, loss_fn: LossFn, data: Iterator[d
     ckpt = Checkpointer(workdir, keep=tc.keep_checkpoints, async_save=tc.async_checkpoint)
     meta = {"family": model_cfg.family, "config": cfg.to_dict(), "model": dataclasses.asdict(model_cfg),
             **(extra_meta or {})}
-
-    restored = ckpt.restore_latest(plan.restore_target(), family=model_cfg.family, model=meta["model"])
-    if restored is not None:
-        step, state, data_state, _ = restored
-        params, opt_state = state["params"], state["opt_state"]
-        if data_state is not None and hasattr(data, "set_state"):
-            data.set_state(data_state)
-        resumed_from = step
-    else:
-        step, resumed_from = 0, None
-        params, opt_state = init_state(plan, model_cfg, jax.random.key(tc.seed))
-        if init_params is not None:
-            # a copy: the train step donates its parameters, and the caller may still use (or
-            # pass as `frozen`) the arrays it gave
-            params = jax.device_put(jax.tree.map(jnp.copy, init_params), plan.param_shardings)
-            with jax.set_mesh(mesh):
-                opt_state = jax.jit(plan.tx.init, out_shardings=plan.opt_shardings)(params)
-
-    writer = MetricsWriter(workdir, tensorboard=tensorboard)
+    step, params, opt_state, resumed_from = _start(plan, ckpt, meta, model_cfg, tc, data, init_params)
+    run = _Run(tc=tc, plan=plan, ckpt=ckpt, meta=meta, data=data, loss_fn=loss_fn,
+               tokenizer_bytes=tokenizer_bytes, step_cache=step_cache, step=step, params=params,
+               opt_state=opt_state, writer=MetricsWriter(workdir, tensorboard=tensorboard))
     eval_batches = [put_batch(b, mesh) for b in eval_data]
     schedule = learning_rate_schedule(tc)
     rng = jax.random.key(tc.seed + 1)
-    last_loss, eval_loss, tok_per_s = float("nan"), None, 0.0
-
     with jax.set_mesh(mesh):
-        batch_sh = None
-        train_step = None
-        eval_step = make_eval_step(plan, loss_fn)
-        frozen_sh = None
+        run.loop(eval_batches, frozen, schedule, rng)
+    plot_loss_curve(run.writer.path, os.path.join(workdir, "loss_curve.png"))
+    return TrainResult(graphdef=plan.graphdef, params=run.params, step=run.step, loss=run.last_loss,
+                       eval_loss=run.eval_loss, tokens_per_s=run.tok_per_s, resumed_from=resumed_from,
+                       workdir=workdir)
+
+
+def _start(plan: ShardedState, ckpt: Checkpointer, meta: dict, model_cfg: ModelConfig, tc, data, init_params):
+    """(step, params, opt_state, resumed_from): the newest good checkpoint (and the data iterator's
+    state in it), else a fresh init or `init_params` with a fresh optimizer."""
+    restored = ckpt.restore_latest(plan.restore_target(), family=model_cfg.family, model=meta["model"])
+    if restored is not None:
+        step, state, data_state, _ = restored
+        if data_state is not None and hasattr(data, "set_state"):
+            data.set_state(data_state)
+        return step, state["params"], state["opt_state"], step
+    params, opt_state = init_state(plan, model_cfg, jax.random.key(tc.seed))
+    if init_params is not None:
+        # a copy: the train step donates its parameters, and the caller may still use (or
+        # pass as `frozen`) the arrays it gave
+        params = jax.device_put(jax.tree.map(jnp.copy, init_params), plan.param_shardings)
+        with jax.set_mesh(plan.mesh):
+            opt_state = jax.jit(plan.tx.init, out_shardings=plan.opt_shardings)(params)
+    return 0, params, opt_state, None
+
+
+@dataclasses.dataclass
+class _Run:
+    """One call of `train`: the state that changes step by step, and where it is written."""
+
+    tc: Any
+    plan: ShardedState
+    ckpt: Checkpointer
+    meta: dict
+    data: Iterator[dict]
+    loss_fn: LossFn
+    tokenizer_bytes: Optional[bytes]
+    step_cache: Optional[dict]
+    step: int
+    params: Any
+    opt_state: Any
+    writer: MetricsWriter
+    frozen: Any = None
+    frozen_sh: Any = None
+    train_step: Any = None
+    # the last step's metrics, checked one step later so the host does not stall the device
+    pending: Optional[tuple[int, dict]] = None
+    last_loss: float = float("nan")
+    eval_loss: Optional[float] = None
+    tok_per_s: float = 0.0
+    window_tokens: float = 0.0
+    window_start: float = 0.0
+
+    def loop(self, eval_batches: list[dict], frozen: Any, schedule, rng: jax.Array) -> None:
+        """Train up to ``train.steps`` (under the mesh), checkpointing also on Ctrl-C."""
+        tc, mesh = self.tc, self.plan.mesh
+        eval_step = make_eval_step(self.plan, self.loss_fn)
         if frozen is not None:
-            frozen_sh = shd.state_shardings(frozen, mesh)
-            frozen = jax.device_put(frozen, frozen_sh)
-        pbar = _progress(tc.progress, total=tc.steps, initial=step)
-        pending: Optional[tuple[int, dict]] = None
-        window_tokens, window_start = 0.0, time.perf_counter()
-
-        def check(s: int, m: dict) -> dict:
-            host = {k: float(v) for k, v in jax.device_get(m).items()}
-            if not (math.isfinite(host["loss"]) and math.isfinite(host["grad_norm"])):
-                good = [x for x in ckpt.steps() if x < s]
-                raise TrainingDiverged(
-                    f"non-finite loss ({host['loss']}) or gradient norm ({host['grad_norm']}) at step {s}; "
-                    f"stopped. The last good checkpoint is "
-                    f"{'step ' + str(good[-1]) if good else 'none'} in {ckpt.directory}")
-            return host
-
-        def save(s: int, force: bool = False) -> None:
-            data_state = data.get_state() if hasattr(data, "get_state") else None
-            ckpt.save(s, {"params": params, "opt_state": opt_state}, data_state=data_state, meta=meta,
-                      tokenizer_bytes=tokenizer_bytes, force=force)
-
+            self.frozen_sh = shd.state_shardings(frozen, mesh)
+            frozen = jax.device_put(frozen, self.frozen_sh)
+        self.frozen = frozen
+        pbar = _progress(tc.progress, total=tc.steps, initial=self.step)
+        self.window_start = time.perf_counter()
         try:
-            while step < tc.steps:
-                try:
-                    np_batch = next(data)
-                except StopIteration:
-                    raise UserError(f"the training data ran out at step {step} of {tc.steps}; "
-                                    "use more data or fewer train.steps") from None
+            while self.step < tc.steps:
+                np_batch = self._next_batch()
                 batch = put_batch(np_batch, mesh)
-                if train_step is None:
-                    batch_sh = jax.tree.map(lambda x: x.sharding, batch)
-                    key = (plan.graphdef, loss_fn, tc.grad_accum, optimizer_signature(tc), mesh,
-                           jax.tree.structure(batch_sh), tuple(jax.tree.leaves(batch_sh)),
-                           jax.tree.structure(frozen_sh), tuple(jax.tree.leaves(frozen_sh)))
-                    if step_cache is not None and key in step_cache:
-                        train_step = step_cache[key]
-                    else:
-                        train_step = make_train_step(plan, loss_fn, tc.grad_accum, batch_sh, frozen_sh)
-                        if step_cache is not None:
-                            step_cache[key] = train_step
-                params, opt_state, metrics = train_step(params, opt_state, batch, jax.random.fold_in(rng, step),
-                                                        frozen)
-                step += 1
-                if pending is not None:
-                    host = check(*pending)
-                    window_tokens += host.get("tokens", float(np.prod(np_batch["tokens"].shape)))
-                    last_loss = host["loss"]
-                    if pending[0] % tc.log_every == 0:
-                        now = time.perf_counter()
-                        tok_per_s = window_tokens / max(now - window_start, 1e-9)
-                        window_tokens, window_start = 0.0, now
-                        writer.write(pending[0], {"loss": host["loss"], "grad_norm": host["grad_norm"],
-                                                  "learning_rate": float(schedule(pending[0] - 1)),
-                                                  "tokens_per_s": tok_per_s})
-                        pbar.set_postfix(loss=f"{host['loss']:.3f}", tok_s=f"{tok_per_s:,.0f}")
-                pending = (step, metrics)
+                train_step = self._compiled_step(batch)
+                self.params, self.opt_state, metrics = train_step(
+                    self.params, self.opt_state, batch, jax.random.fold_in(rng, self.step), frozen)
+                self.step += 1
+                if self.pending is not None:
+                    self._account(np_batch, schedule, pbar)
+                self.pending = (self.step, metrics)
                 pbar.update(1)
-                if step % tc.eval_every == 0 or step == tc.steps:
-                    if eval_batches:
-                        eval_loss = float(np.mean([float(eval_step(params, b, frozen)) for b in eval_batches]))
-                        writer.write(step, {"eval_loss": eval_loss})
-                if step % tc.checkpoint_every == 0 or step == tc.steps:
-                    last_loss = check(*pending)["loss"]
-                    save(step, force=step == tc.steps)
-            if pending is not None:
-                last_loss = check(*pending)["loss"]
+                self._evaluate_and_save(eval_step, eval_batches)
+            if self.pending is not None:
+                self.last_loss = self.check(*self.pending)["loss"]
         except KeyboardInterrupt:
             # nothing lost on Ctrl-C: checkpoint the last finished (and finite) step
-            if pending is not None and step not in ckpt.steps():
-                check(*pending)
-                save(step, force=True)
+            if self.pending is not None and self.step not in self.ckpt.steps():
+                self.check(*self.pending)
+                self.save(self.step, force=True)
             raise
         finally:
             pbar.close()
-            writer.close()
-            ckpt.close()  # waits for async saves still in flight
-    plot_loss_curve(writer.path, os.path.join(workdir, "loss_curve.png"))
-    return TrainResult(graphdef=plan.graphdef, params=params, step=step, loss=last_loss,
-                       eval_loss=eval_loss, tokens_per_s=tok_per_s, resumed_from=resumed_from,
-                       workdir=workdir)
+            self.writer.close()
+            self.ckpt.close()  # waits for async saves still in flight
+
+    def _next_batch(self) -> dict:
+        try:
+            return next(self.data)
+        except StopIteration:
+            raise UserError(f"the training data ran out at step {self.step} of {self.tc.steps}; "
+                            "use more data or fewer train.steps") from None
+
+    def _compiled_step(self, batch: dict):
+        """The jitted train step, compiled for the first batch's shardings (or taken from
+        `step_cache` when it holds one for the same model, loss, optimizer, mesh and shardings)."""
+        if self.train_step is None:
+            tc, frozen_sh = self.tc, self.frozen_sh
+            batch_sh = jax.tree.map(lambda x: x.sharding, batch)
+            key = (self.plan.graphdef, self.loss_fn, tc.grad_accum, optimizer_signature(tc), self.plan.mesh,
+                   jax.tree.structure(batch_sh), tuple(jax.tree.leaves(batch_sh)),
+                   jax.tree.structure(frozen_sh), tuple(jax.tree.leaves(frozen_sh)))
+            if self.step_cache is not None and key in self.step_cache:
+                self.train_step = self.step_cache[key]
+            else:
+                self.train_step = make_train_step(self.plan, self.loss_fn, tc.grad_accum, batch_sh, frozen_sh)
+                if self.step_cache is not None:
+                    self.step_cache[key] = self.train_step
+        return self.train_step
+
+    def _account(self, np_batch: dict, schedule, pbar) -> None:
+        """Check the previous step's metrics; every ``log_every`` steps log them with tokens/s."""
+        host = self.check(*self.pending)
+        self.window_tokens += host.get("tokens", float(np.prod(np_batch["tokens"].shape)))
+        self.last_loss = host["loss"]
+        s = self.pending[0]
+        if s % self.tc.log_every == 0:
+            now = time.perf_counter()
+            self.tok_per_s = self.window_tokens / max(now - self.window_start, 1e-9)
+            self.window_tokens, self.window_start = 0.0, now
+            self.writer.write(s, {"loss": host["loss"], "grad_norm": host["grad_norm"],
+                                  "learning_rate": float(schedule(s - 1)), "tokens_per_s": self.tok_per_s})
+            pbar.set_postfix(loss=f"{host['loss']:.3f}", tok_s=f"{self.tok_per_s:,.0f}")
+
+    def _evaluate_and_save(self, eval_step, eval_batches: list[dict]) -> None:
+        tc, step = self.tc, self.step
+        if step % tc.eval_every == 0 or step == tc.steps:
+            if eval_batches:
+                self.eval_loss = float(np.mean([float(eval_step(self.params, b, self.frozen))
+                                                for b in eval_batches]))
+                self.writer.write(step, {"eval_loss": self.eval_loss})
+        if step % tc.checkpoint_every == 0 or step == tc.steps:
+            self.last_loss = self.check(*self.pending)["loss"]
+            self.save(step, force=step == tc.steps)
+
+    def check(self, s: int, m: dict) -> dict:
+        """Host copies of step `s`'s metrics; `TrainingDiverged` if the loss or gradient norm is
+        not finite."""
+        host = {k: float(v) for k, v in jax.device_get(m).items()}
+        if not (math.isfinite(host["loss"]) and math.isfinite(host["grad_norm"])):
+            good = [x for x in self.ckpt.steps() if x < s]
+            raise TrainingDiverged(
+                f"non-finite loss ({host['loss']}) or gradient norm ({host['grad_norm']}) at step {s}; "
+                f"stopped. The last good checkpoint is "
+                f"{'step ' + str(good[-1]) if good else 'none'} in {self.ckpt.directory}")
+        return host
+
+    def save(self, s: int, force: bool = False) -> None:
+        data_state = self.data.get_state() if hasattr(self.data, "get_state") else None
+        self.ckpt.save(s, {"params": self.params, "opt_state": self.opt_state}, data_state=data_state,
+                       meta=self.meta, tokenizer_bytes=self.tokenizer_bytes, force=force)
 
 
 def optimizer_signature(tc) -> tuple:
