@@ -218,6 +218,36 @@ def fit_cost_model(
     their neighbours); the ridge (1e-6 of the penalty, scaled to each parameter's typical
     contribution) only makes the system non-singular.
     """
+    m, S, c = _fit_inputs(prompt_blocks, surfaces, costs, smoothness, penalty_order)
+    w = _weights(weights, c)
+    n, n_blocks, block_size = S.shape
+    total_steps = S.sum(axis=(1, 2))
+    steps_ref = float(total_steps.mean())
+    if steps_ref <= 0:
+        raise ValueError("surfaces are all zero: nothing to fit the step costs to")
+    m_mean = float(m.mean())
+    c_ref = float(np.sqrt(np.sum(w * c**2) / np.sum(w)))
+
+    # columns: [intercept?], alpha, beta, delta, W cells (row-major)
+    head = [m, S[:, :, 0].sum(axis=1), (m - m_mean) * total_steps]
+    if fit_intercept:
+        head.insert(0, np.ones(n))
+    n_head = len(head)
+    X = np.concatenate([np.stack(head, axis=1), S.reshape(n, -1)], axis=1)
+    A, b, scale = _penalised_system(X, c, w, n_head, (n_blocks, block_size), smoothness, penalty_order,
+                                    w_unit=steps_ref / c_ref)
+    theta = _solve_nonnegative_cells(A, b, n_head) / scale
+    theta[n_head:] = np.maximum(theta[n_head:], 0.0)  # bvls may leave -0.0 / round-off at the bound
+    intercept = float(theta[0]) if fit_intercept else 0.0
+    alpha, beta, delta = (float(v) for v in theta[n_head - 3 : n_head])
+    return CostModel(
+        alpha=alpha, beta=beta, delta=delta, m_mean=m_mean,
+        W=theta[n_head:].reshape(n_blocks, block_size), intercept=intercept,
+    )
+
+
+def _fit_inputs(prompt_blocks, surfaces, costs, smoothness: float, penalty_order: int):
+    """(m [n], S [n, B_max, d], costs [n]) as float64, checked."""
     m = _vector("prompt_blocks", prompt_blocks)
     n = m.size
     if n < 2:
@@ -232,28 +262,18 @@ def fit_cost_model(
         raise ValueError(f"smoothness must be a finite number >= 0, got {smoothness}")
     if penalty_order not in (1, 2):
         raise ValueError(f"penalty_order must be 1 or 2, got {penalty_order}")
-    w = _weights(weights, c)
+    return m, S, c
 
-    _, n_blocks, block_size = S.shape
-    total_steps = S.sum(axis=(1, 2))
-    steps_ref = float(total_steps.mean())
-    if steps_ref <= 0:
-        raise ValueError("surfaces are all zero: nothing to fit the step costs to")
-    m_mean = float(m.mean())
-    c_ref = float(np.sqrt(np.sum(w * c**2) / np.sum(w)))
 
-    # columns: [intercept?], alpha, beta, delta, W cells (row-major)
-    head = [m, S[:, :, 0].sum(axis=1), (m - m_mean) * total_steps]
-    if fit_intercept:
-        head.insert(0, np.ones(n))
-    n_head = len(head)
-    X = np.concatenate([np.stack(head, axis=1), S.reshape(n, -1)], axis=1)
+def _penalised_system(X: np.ndarray, c: np.ndarray, w: np.ndarray, n_head: int, grid: tuple[int, int],
+                      smoothness: float, penalty_order: int, w_unit: float):
+    """(A, b, scale): the weighted data rows, the smoothness rows on the W cells and the ridge,
+    for u = theta * scale with every column of unit size (conditioning). A column no request
+    touches gets the scale of a typical per-step cost (`w_unit`) instead."""
+    n = X.shape[0]
+    n_blocks, block_size = grid
     sw = np.sqrt(w)
     A_data, b_data = X * sw[:, None], c * sw
-
-    # solve for u = theta * scale with every column of unit size (conditioning); a column no
-    # request touches gets the scale of a typical per-step cost instead
-    w_unit = steps_ref / c_ref
     scale = np.sqrt(np.mean(A_data**2, axis=0))
     fallback = np.concatenate([np.full(n_head, np.sqrt(np.mean(w))), np.full(n_blocks * block_size, w_unit)])
     scale = np.where(scale > 0, scale, fallback)
@@ -265,23 +285,21 @@ def fit_cost_model(
     A = np.concatenate([A_data, A_pen], axis=0) / scale[None, :]
     A = np.concatenate([A, np.sqrt(ridge) * np.eye(X.shape[1])], axis=0)
     b = np.concatenate([b_data, np.zeros(A.shape[0] - n)])
+    return A, b, scale
 
-    lower = np.concatenate([np.full(n_head, -np.inf), np.zeros(n_blocks * block_size)])
+
+def _solve_nonnegative_cells(A: np.ndarray, b: np.ndarray, n_head: int) -> np.ndarray:
+    """argmin ||A u - b|| with the first `n_head` entries free and the rest (the W cells) >= 0."""
+    n_cols = A.shape[1]
+    lower = np.concatenate([np.full(n_head, -np.inf), np.zeros(n_cols - n_head)])
     # ||A u - b|| = ||R u - Q^T b|| + const: solve with the square R, not the tall A; the ridge
     # rows keep R non-singular, and the bounded solver only runs if some W comes out negative
     Q, R = np.linalg.qr(A)
     rhs = Q.T @ b
     u = solve_triangular(R, rhs)
     if np.any(u < lower):
-        u = lsq_linear(R, rhs, bounds=(lower, np.full(X.shape[1], np.inf)), method="bvls").x
-    theta = u / scale
-    theta[n_head:] = np.maximum(theta[n_head:], 0.0)  # bvls may leave -0.0 / round-off at the bound
-    intercept = float(theta[0]) if fit_intercept else 0.0
-    alpha, beta, delta = (float(v) for v in theta[n_head - 3 : n_head])
-    return CostModel(
-        alpha=alpha, beta=beta, delta=delta, m_mean=m_mean,
-        W=theta[n_head:].reshape(n_blocks, block_size), intercept=intercept,
-    )
+        u = lsq_linear(R, rhs, bounds=(lower, np.full(n_cols, np.inf)), method="bvls").x
+    return u
 
 
 @dataclasses.dataclass(frozen=True)
