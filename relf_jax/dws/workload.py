@@ -20,7 +20,6 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 
 from relf_jax.dws.decoding import (
     BlockDecodeSettings,
@@ -147,8 +146,7 @@ def timed_runs(graphdef, params, prompts: Sequence[Sequence[int]], settings: Blo
 def with_dtype(lm, dtype: str):
     """(graphdef, params) of a loaded model computing in `dtype` (same float32 parameters):
     the "other hardware" of the transfer experiment."""
-    from relf_jax.models import build_model
+    from relf_jax.models.registry import abstract_params
 
-    cfg = dataclasses.replace(lm.model_cfg, dtype=dtype)
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0))))
+    graphdef, _ = abstract_params(dataclasses.replace(lm.model_cfg, dtype=dtype))
     return graphdef, lm.params

@@ -16,7 +16,7 @@ from flax import nnx
 from relf_jax import sharding as shd
 from relf_jax.config import ModelConfig
 from relf_jax.errors import UserError
-from relf_jax.models import build_model
+from relf_jax.models.registry import abstract_params
 
 
 def _name(path: tuple) -> str:
@@ -30,12 +30,6 @@ def flat_params(params: Any) -> dict[str, np.ndarray]:
         value = var.get_value() if isinstance(var, nnx.Variable) else var
         out[_name(path)] = np.asarray(jax.device_get(value))
     return out
-
-
-def abstract_params(model_cfg: ModelConfig):
-    """(graphdef, abstract nnx.State) of the network `model_cfg` describes; allocates nothing."""
-    model = nnx.eval_shape(lambda: build_model(model_cfg, nnx.Rngs(0)))
-    return nnx.split(model)
 
 
 def params_from_flat(model_cfg: ModelConfig, flat: Mapping[str, np.ndarray], *, mesh=None,

@@ -37,8 +37,9 @@ from flax import nnx
 from relf_jax.checkpoint import LoadedModel
 from relf_jax.data.tokenizer import HFTokenizer
 from relf_jax.errors import UserError
-from relf_jax.export.flat import abstract_params, flat_params
+from relf_jax.export.flat import flat_params
 from relf_jax.models.causal_lm import init_cache
+from relf_jax.models.registry import abstract_params
 from relf_jax.sampling.prefill import prefill_cache
 
 FORMAT = "relf_jax.jax_export/1"

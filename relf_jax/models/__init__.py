@@ -1,22 +1,9 @@
 """Networks only: token ids (or noisy embeddings) in, logits out.
 
-`build_model(cfg, rngs)` picks the family named by ``cfg.family``.
+`build_model(cfg, rngs)` picks the family named by ``cfg.family``; `abstract_params(cfg)` gives
+its graphdef and parameter shapes without allocating (both in `relf_jax.models.registry`).
 """
 
-from flax import nnx
+from relf_jax.models.registry import FAMILIES, abstract_params, build_model
 
-from relf_jax.config import ModelConfig
-from relf_jax.models.block_diffusion import BlockDiffusionLM
-from relf_jax.models.causal_lm import CausalLM
-from relf_jax.models.flow_lm import FlowLM
-from relf_jax.models.workload_predictor import WorkloadPredictor
-
-FAMILIES = {"ar": CausalLM, "relf": FlowLM, "bd": BlockDiffusionLM, "dws": WorkloadPredictor}
-
-
-def build_model(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
-    """Instantiate the network family `cfg.family` with concrete parameters."""
-    if cfg.family not in FAMILIES:
-        raise ValueError(f"unknown model family {cfg.family!r}; valid: {', '.join(FAMILIES)}")
-    return FAMILIES[cfg.family](cfg, rngs=rngs)
-
+__all__ = ["FAMILIES", "abstract_params", "build_model"]

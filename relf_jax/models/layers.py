@@ -114,7 +114,8 @@ def rope_inv_freq(rope: Rope | float, dim: int, seq_len: jax.Array | int | None 
     if rope.scaling == "linear":
         inv = inv / jnp.float32(rope.factor)
     elif rope.scaling == "llama3":
-        factor, low, high = jnp.float32(rope.factor), jnp.float32(rope.low_freq_factor), jnp.float32(rope.high_freq_factor)
+        factor, low = jnp.float32(rope.factor), jnp.float32(rope.low_freq_factor)
+        high = jnp.float32(rope.high_freq_factor)
         old = jnp.float32(rope.original_max_len)
         wavelen = jnp.float32(2 * math.pi) / inv
         scaled = jnp.where(wavelen > old / low, inv / factor, inv)
@@ -186,8 +187,9 @@ class Attention(nnx.Module):
         self.dtype = dtype
         init = _dense_init(d_model)
         self.wq = make_param(rngs, init, (d_model, num_heads, head_dim), ("embed", "heads", "head_dim"), param_dtype)
-        self.wk = make_param(rngs, init, (d_model, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), param_dtype)
-        self.wv = make_param(rngs, init, (d_model, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), param_dtype)
+        kv_axes = ("embed", "kv_heads", "head_dim")
+        self.wk = make_param(rngs, init, (d_model, num_kv_heads, head_dim), kv_axes, param_dtype)
+        self.wv = make_param(rngs, init, (d_model, num_kv_heads, head_dim), kv_axes, param_dtype)
         self.wo = make_param(rngs, _dense_init(num_heads * head_dim), (num_heads, head_dim, d_model),
                              ("heads", "head_dim", "embed"), param_dtype)
         self.qkv_bias = qkv_bias

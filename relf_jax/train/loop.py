@@ -36,7 +36,7 @@ from relf_jax.checkpoint import Checkpointer, abstract_like
 from relf_jax.compile_options import train_options
 from relf_jax.config import Config, ModelConfig
 from relf_jax.errors import UserError
-from relf_jax.models import build_model
+from relf_jax.models.registry import abstract_params, build_model
 from relf_jax.train.metrics import MetricsWriter, plot_loss_curve
 from relf_jax.train.optimizers import learning_rate_schedule, make_optimizer
 
@@ -82,13 +82,12 @@ class ShardedState:
 def plan_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh) -> ShardedState:
     """Abstract parameter/optimizer shapes and their shardings, without allocating anything."""
     with jax.set_mesh(mesh):
-        abstract_model = nnx.eval_shape(lambda: build_model(model_cfg, nnx.Rngs(0)))
-        graphdef, abstract_params = nnx.split(abstract_model)
-        abstract_opt = jax.eval_shape(tx.init, abstract_params)
+        graphdef, abstract = abstract_params(model_cfg)
+        abstract_opt = jax.eval_shape(tx.init, abstract)
     return ShardedState(mesh=mesh, graphdef=graphdef, tx=tx,
-                        param_shardings=shd.state_shardings(abstract_params, mesh),
+                        param_shardings=shd.state_shardings(abstract, mesh),
                         opt_shardings=shd.state_shardings(abstract_opt, mesh),
-                        abstract_params=abstract_params, abstract_opt=abstract_opt)
+                        abstract_params=abstract, abstract_opt=abstract_opt)
 
 
 def init_state(plan: ShardedState, model_cfg: ModelConfig, key: jax.Array):
