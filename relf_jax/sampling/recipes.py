@@ -108,14 +108,14 @@ def stream_reply(lm, prompt: str, sample_cfg: Optional[SampleConfig] = None) -> 
 
 def sample_bd(lm, prompts: Optional[Sequence[str]] = None, n: Optional[int] = None,
               sample_cfg: Optional[SampleConfig] = None, warmup: bool = True) -> Samples:
-    """Replies from a block-diffusion model by confidence-threshold decoding (`relf_jax.dws.decoding`),
+    """Replies from a block-diffusion model by confidence-threshold decoding (`relf_jax.sampling.block_diffusion`),
     `batch_size` prompts at a time: tokens sampled at ``sample.temperature`` (0: greedy), commits by
     ``sample.threshold`` and ``sample.confidence``, at most
     ceil(``sample.max_new_tokens`` / block size) blocks, stopping at EOS or (when every prompt is
     non-empty, i.e. a reply is wanted) at the ``<user>`` marker of the next turn.
     ``target_forwards`` counts denoising steps plus one cache refresh per block."""
-    from relf_jax.dws import decoding as bdd
-    from relf_jax.dws.workload import decode_settings
+    from relf_jax.dws.workload import decode_settings  # the settings of a loaded "bd" model
+    from relf_jax.sampling import block_diffusion as bdd
 
     sc = sample_cfg or lm.cfg.sample
     tok = lm.tokenizer
