@@ -109,7 +109,7 @@ def test_max_confidence_picks_positions_from_the_distributions(bd):
 
 
 def test_defaults_are_the_new_ones():
-    from relf_jax.workflows import row_mode
+    from relf_jax.data.prepare import row_mode
 
     assert row_mode(make_config("cpu", ["model=bd"])) == "segments"  # packed, block-aligned rows
     assert row_mode(make_config("cpu", ["model=bd", "data.rows=documents"])) == "documents"  # the old layout

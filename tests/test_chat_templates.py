@@ -417,19 +417,19 @@ def qwen_model(tmp_path_factory):
 
 
 def test_import_hf_checkpoint_keeps_the_chat_tokenizer(tmp_path, qwen_model):
-    from relf_jax import workflows
+    from relf_jax.loading import load_model
 
     path, _ = qwen_model
     direct = hf.from_hf(path).tokenizer
     hf.import_hf(path, str(tmp_path / "run"))
-    loaded = workflows.load_model(str(tmp_path / "run"), "ar").tokenizer
+    loaded = load_model(str(tmp_path / "run"), "ar").tokenizer
     assert loaded.to_bytes() == direct.to_bytes()
     assert loaded.chat_template == QWEN_TEMPLATE and len(loaded.eos_ids) == 2 and not loaded.add_bos
     assert loaded.generation_defaults["temperature"] == 0.7
     # an HF folder is also a workdir: load_model reads it in place
-    assert workflows.load_model(path, "ar").tokenizer.to_bytes() == direct.to_bytes()
+    assert load_model(path, "ar").tokenizer.to_bytes() == direct.to_bytes()
     with pytest.raises(UserError, match="HuggingFace folder"):
-        workflows.load_model(path, "bd")
+        load_model(path, "bd")
 
 
 @pytest.mark.entry
@@ -515,7 +515,7 @@ def test_export_hf_writes_the_chat_tokenizer_back(tmp_path, qwen_model):
 
 
 def test_fit_new_tokens():
-    from relf_jax.workflows import fit_new_tokens
+    from relf_jax.sampling.recipes import fit_new_tokens
 
     assert fit_new_tokens(8, 100, 128) == (100, "")
     n, note = fit_new_tokens(8, 128, 128)

@@ -8,25 +8,30 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from relf_jax import workflows
+import relf_jax as rj
+from relf_jax.checkpoint import latest_meta
 from relf_jax.config import make_config
+from relf_jax.data.tokenizer import encode_prompt
+from relf_jax.eval.evaluate import exact_judge
+from relf_jax.loading import load_model
 from relf_jax.speculative.continual import ContinualDraftTrainer, ContinualSettings, ReplayBatches
 from relf_jax.speculative.rcsd import RCSDLossSettings, rcsd_inputs, rcsd_terms
+from relf_jax.speculative.recipes import train_draft
 
 
 @pytest.fixture(scope="module")
 def target_and_draft(tmp_path_factory):
     wd = str(tmp_path_factory.mktemp("rcsd_target"))
     cfg = make_config("tiny", ["train.steps=60", "train.progress=false"], workdir=wd)
-    workflows.train_lm(cfg)
+    rj.train(cfg)
     # a deliberately weak starting draft: a few distillation steps only
-    workflows.train_draft(wd, ["train.steps=5", "train.progress=false"])
-    return workflows.load_model(wd, "ar"), workflows.load_model(os.path.join(wd, "draft"), "ar")
+    train_draft(wd, ["train.steps=5", "train.progress=false"])
+    return load_model(wd, "ar"), load_model(os.path.join(wd, "draft"), "ar")
 
 
 def _prompts(lm, n, seed):
-    judge = workflows.exact_judge(lm.cfg)
-    return [workflows.encode_prompt(lm.tokenizer, info["prompt"])
+    judge = exact_judge(lm.cfg)
+    return [encode_prompt(lm.tokenizer, info["prompt"])
             for info in judge.grammar.sample_with_info(n, seed)]
 
 
@@ -81,7 +86,7 @@ def test_continual_run_resumes_without_losing_traces(target_and_draft, tmp_path)
     records = third.run(batches)
     assert [r["cycle"] for r in records] == [2, 3]
     assert len(third.store) == 3  # cycle 2 was not served twice, nothing was lost
-    assert workflows.latest_meta(os.path.join(wd, "draft"))["step"] == 3 * settings.steps_per_cycle
+    assert latest_meta(os.path.join(wd, "draft"))["step"] == 3 * settings.steps_per_cycle
 
 
 def test_rcsd_command_line(target_and_draft, tmp_path, capsys):

@@ -57,13 +57,13 @@ def test_safetensors_round_trip_is_bitwise(tmp_path, tok, tiny_model_cfg):
         safetensors_io.load_safetensors(str(tmp_path / "junk.safetensors"))
 
 
-def test_imported_safetensors_checkpoint_loads_through_workflows(tmp_path, tok, tiny_model_cfg):
-    from relf_jax import workflows
+def test_imported_safetensors_checkpoint_loads_as_a_trained_model(tmp_path, tok, tiny_model_cfg):
+    from relf_jax.loading import load_model
 
     lm = _lm(tok, tiny_model_cfg)
     path = safetensors_io.save_safetensors(lm, str(tmp_path / "m.safetensors"))
     safetensors_io.import_safetensors(path, str(tmp_path / "run"))
-    back = workflows.load_model(str(tmp_path / "run"))
+    back = load_model(str(tmp_path / "run"))
     a, b = flat_params(lm.params), flat_params(back.params)
     assert all(a[k].tobytes() == b[k].tobytes() for k in a)
 

@@ -181,9 +181,9 @@ def test_default_relf_samples_alike_through_the_kernel_and_the_reference(monkeyp
 
     from kernels_pallas import dispatch
     from relf_jax.config import make_config
+    from relf_jax.flow.generate import segment_residual
     from relf_jax.flow.samplers import FlowSamplerSettings, sample
     from relf_jax.models import build_model
-    from relf_jax.workflows import segment_residual
 
     mc = dataclasses.replace(make_config("tiny", ["model=relf"]).model, vocab_size=V, flow_embed_dim=D)
     model = build_model(mc, nnx.Rngs(0))

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from relf_jax import workflows
 from relf_jax.errors import UserError
 from relf_jax.serving.loading import load_engine
 from relf_jax.speculative import ngram_draft as nd
+from relf_jax.speculative.recipes import corpus_ngram_table, corpus_rows, trained_by_relf_jax
 from tests._serving import tiny_lm
 
 TEXT = "the cat sat on the mat\nthe cat ate the rat\nthe dog sat on the log\n"
@@ -48,9 +48,9 @@ def test_table_from_a_user_file_has_the_file_counts(tmp_path, capsys):
     path.write_text(TEXT)
     lm = tiny_lm()
     tok = lm.tokenizer
-    rows = workflows.corpus_rows(lm, [str(path)])
+    rows = corpus_rows(lm, [str(path)])
     assert rows == [tok.encode(line) + [tok.eos_id] for line in TEXT.splitlines()]
-    table = workflows.corpus_ngram_table(lm, files=[str(path)])
+    table = corpus_ngram_table(lm, files=[str(path)])
     assert "counts 3 documents of" in capsys.readouterr().err
     counts = _counts(rows)
     assert len(counts) > 10
@@ -73,13 +73,13 @@ def test_imported_model_without_a_corpus_is_a_clear_error(tmp_path):
     tk = backend.Tokenizer(backend.models.WordLevel({"<unk>": 0, "a": 1, "b": 2}, unk_token="<unk>"))
     tk.pre_tokenizer = backend.pre_tokenizers.WhitespaceSplit()
     lm.tokenizer = HFTokenizer(tk.to_str(), bos_id=0, eos_id=0, pad_id=0)
-    assert not workflows.trained_by_relf_jax(lm) and workflows.trained_by_relf_jax(tiny_lm())
+    assert not trained_by_relf_jax(lm) and trained_by_relf_jax(tiny_lm())
     with pytest.raises(UserError, match="imported .*--ngram-corpus"):
-        workflows.corpus_ngram_table(lm)
+        corpus_ngram_table(lm)
     # with a corpus it counts that text
     path = tmp_path / "c.txt"
     path.write_text("a b a b a\n")
-    table = workflows.corpus_ngram_table(lm, files=[str(path)])
+    table = corpus_ngram_table(lm, files=[str(path)])
     assert _lookup(table, [1, 2]) == {1: 1.0}
 
 

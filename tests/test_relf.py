@@ -197,24 +197,25 @@ def test_blind_spot_residual_never_reads_its_own_position():
 
 def test_relf_cli_train_and_sample(tmp_path, capsys):
     from experiments.launch import main
-    from relf_jax import workflows
+    from relf_jax.flow.generate import flow_prompt_mode, sample_relf
+    from relf_jax.loading import load_model
 
     wd = str(tmp_path)
     # trained with clean prompts in half its rows: the model gets the prompt input, prompted
     # sampling holds the prompt clean
     assert main(["train", "--preset", "tiny", "--workdir", wd, "model=relf", "data.source=chatterbot",
                  "train.steps=5", "train.progress=false", "flow.prompt_prob=0.5"]) == 0
-    lm = workflows.load_model(wd, "relf")
-    assert lm.model_cfg.flow_prompt_input and workflows.flow_prompt_mode(lm) == "clean"
-    s = workflows.sample_relf(lm, 4, nfe=4, length=16, batch_size=4)
+    lm = load_model(wd, "relf")
+    assert lm.model_cfg.flow_prompt_input and flow_prompt_mode(lm) == "clean"
+    s = sample_relf(lm, 4, nfe=4, length=16, batch_size=4)
     assert len(s.texts) == 4 and s.target_forwards == 16
     prompts = ["<user> hello <assistant>", "<user> how are you today <assistant>"]
     for mode in ("clean", "renoise"):  # the shapes of the CLI call below: one compilation each
-        r = workflows.sample_relf(lm, prompts=prompts, nfe=4, sampler="stochastic", batch_size=2, prompt_mode=mode)
+        r = sample_relf(lm, prompts=prompts, nfe=4, sampler="stochastic", batch_size=2, prompt_mode=mode)
         assert len(r.texts) == 2 and r.target_forwards == 8
         assert all(lm.tokenizer.bos_id not in ids and lm.tokenizer.eos_id not in ids for ids in r.token_ids)
     with pytest.raises(UserError, match="no room"):
-        workflows.sample_relf(lm, prompts=["<user> " + "word " * 40], nfe=2, length=8, batch_size=1)
+        sample_relf(lm, prompts=["<user> " + "word " * 40], nfe=2, length=8, batch_size=1)
     assert main(["sample", "--workdir", wd, "model=relf", "nfe=4", "sampler=stochastic", "sample.num_samples=2",
                  "sample.batch_size=2", "--prompt", "<user> hello <assistant>"]) == 0
     assert "network calls" in capsys.readouterr().err
@@ -268,28 +269,17 @@ def test_reflow_loss_weights_and_the_no_pairs_control():
         make_reflow_loss(settings, data_weight=0.0, pair_weight=0.0)
 
 
-@pytest.mark.slow  # the reflow rounds run in the quick demo test too; this adds the CLI parsing
-def test_reflow_cli_rounds(tmp_path, capsys):
+def test_relf_cli_refusals_compile_once_and_reflow_rounds(tmp_path, capsys):
+    """One tiny ReLF model trained through the CLI (shared by three checks, one compile):
+    resuming it with settings that change the network is refused with a reason; `sample_relf`
+    compiles once across calls; the `reflow` command's plumbing at toy sizes (that a round
+    straightens the coupling is test_one_reflow_round_lowers_straightness's check)."""
     import json
 
+    import relf_jax as rj
     from experiments.launch import main
-    from relf_jax import workflows
-
-    wd = str(tmp_path)
-    assert main(["train", "--preset", "tiny", "--workdir", wd, "model=relf", "data.source=chatterbot",
-                 "train.steps=20", "train.progress=false", "data.seq_len=16"]) == 0
-    capsys.readouterr()
-    assert main(["reflow", "--workdir", wd, "--rounds", "2", "--pairs", "16", "--steps", "20"]) == 0
-    rounds = json.loads((tmp_path / "reflow.json").read_text())
-    assert [r["round"] for r in rounds] == [1, 2]
-    assert all(r["straightness_after"] < r["straightness_before"] for r in rounds)
-    lm = workflows.load_model(str(tmp_path / "relf_reflow2"), "relf")
-    assert lm.step == 20 and len(workflows.sample_relf(lm, 2, nfe=2, batch_size=2).texts) == 2
-
-
-def test_sample_relf_compiles_once_across_calls(tmp_path, capsys):
-    from experiments.launch import main
-    from relf_jax import workflows
+    from relf_jax.flow.generate import relf_tokens, sample_relf
+    from relf_jax.loading import load_model
 
     wd = str(tmp_path)
     assert main(["train", "--preset", "tiny", "--workdir", wd, "model=relf", "data.source=chatterbot",
@@ -304,29 +294,38 @@ def test_sample_relf_compiles_once_across_calls(tmp_path, capsys):
     assert main(["train", "--preset", "tiny", "--workdir", wd, "model=relf", "data.source=chatterbot",
                  "train.steps=3", "train.progress=false", "data.seq_len=16", "flow.blind_spot=false"]) == 2
     assert "resume it with flow.blind_spot=true" in capsys.readouterr().err  # the default reads its context
-    lm = workflows.load_model(wd, "relf")
-    before = workflows._relf_tokens._cache_size()
+    lm = load_model(wd, "relf")
+    before = relf_tokens._cache_size()
     for seed in range(3):
-        workflows.sample_relf(lm, 2, nfe=3, batch_size=2, seed=seed)
-    assert workflows._relf_tokens._cache_size() - before == 1
+        sample_relf(lm, 2, nfe=3, batch_size=2, seed=seed)
+    assert relf_tokens._cache_size() - before == 1
+
+    assert main(["reflow", "--workdir", wd, "--rounds", "2", "--pairs", "4", "--steps", "2"]) == 0
+    rounds = json.loads((tmp_path / "reflow.json").read_text())
+    assert [r["round"] for r in rounds] == [1, 2]
+    assert [r["settings"]["steps"] for r in rounds] == [2, 2] and [r["settings"]["num_pairs"] for r in rounds] == [4, 4]
+    assert all(r["straightness_after"] > 0 and r["straightness_before"] > 0 for r in rounds)
+    lm = rj.load(str(tmp_path / "relf_reflow2"))
+    assert lm.step == 2
+    assert len(rj.generate(lm, None, rj.SamplingParams(n=2, batch_size=2), method=rj.Flow(nfe=2))) == 2
 
 
 def test_a_reflow_round_is_reused_only_under_its_own_settings(tmp_path):
-    from relf_jax import workflows
     from relf_jax.checkpoint import Checkpointer
+    from relf_jax.flow.recipes import check_round_settings
 
     spec = {"data_weight": 1.0, "pair_weight": 1.0, "num_pairs": 512, "rollout_nfe": 64, "steps": 600}
-    workflows._check_round_settings(str(tmp_path / "none"), None, spec, "relf_reflow")  # nothing there: fine
+    check_round_settings(str(tmp_path / "none"), None, spec, "relf_reflow")  # nothing there: fine
     for name, meta, record in (("new", {"reflow": spec}, None), ("old", {}, {"settings": spec})):
         ckpt = Checkpointer(str(tmp_path / name), async_save=False)
         ckpt.save(600, {"w": np.zeros(2, np.float32)}, meta=meta)
         ckpt.close()
-        workflows._check_round_settings(str(tmp_path / name), record, spec, "relf_reflow")  # same settings
+        check_round_settings(str(tmp_path / name), record, spec, "relf_reflow")  # same settings
         with pytest.raises(UserError, match="data_weight=1.0.*not data_weight=0.2"):
-            workflows._check_round_settings(str(tmp_path / name), record, {**spec, "data_weight": 0.2}, "relf_reflow")
+            check_round_settings(str(tmp_path / name), record, {**spec, "data_weight": 0.2}, "relf_reflow")
     # a round whose settings were never written cannot be told apart: refused
     with pytest.raises(UserError, match="unknown settings.*another --name"):
-        workflows._check_round_settings(str(tmp_path / "old"), {"round": 1}, spec, "relf_reflow")
+        check_round_settings(str(tmp_path / "old"), {"round": 1}, spec, "relf_reflow")
 
 
 def _generic(model):
@@ -404,14 +403,15 @@ def test_default_relf_reads_its_context_exactly_by_gradient(evidence):
 
 
 def test_the_default_config_is_the_context_reading_relf():
-    from relf_jax import workflows
+    from relf_jax.data.prepare import row_mode
+    from relf_jax.flow.recipes import flow_loss_settings
 
     cfg = make_config("cpu", ["model=relf"])
     assert cfg.flow.blind_spot and cfg.model.flow_blind_spot
-    assert workflows.flow_loss_settings(cfg).context_loss  # trained as p(x_i | Z_{-i})
-    assert workflows.row_mode(cfg) == "segments"  # several whole conversations per row, loss on text
+    assert flow_loss_settings(cfg).context_loss  # trained as p(x_i | Z_{-i})
+    assert row_mode(cfg) == "segments"  # several whole conversations per row, loss on text
     plain = make_config("cpu", ["model=relf", "flow.blind_spot=false"])
-    assert not workflows.flow_loss_settings(plain).context_loss
+    assert not flow_loss_settings(plain).context_loss
     # the even-layer rule binds the default ReLF only
     with pytest.raises(Exception, match="even number"):
         make_config("cpu", ["model=relf", "model.num_layers=3"])
@@ -420,20 +420,20 @@ def test_the_default_config_is_the_context_reading_relf():
 
 
 def test_segment_length_prior_draws_and_travels_with_safetensors(tmp_path):
-    from relf_jax import workflows
-    from relf_jax.checkpoint import EMBEDDINGS_FILE, LoadedModel
+    from relf_jax.checkpoint import EMBEDDINGS_FILE, LENGTHS_FILE, LoadedModel
     from relf_jax.data.tokenizer import train_tokenizer
     from relf_jax.export import safetensors_io
+    from relf_jax.flow.lengths import draw_segment_lengths, flow_lengths, segment_rows
 
     counts = np.zeros(9, np.int64)
     counts[[3, 5, 8]] = [10, 30, 5]
     rng = np.random.default_rng(0)
-    drawn = workflows.draw_segment_lengths(counts, rng, 2000)
+    drawn = draw_segment_lengths(counts, rng, 2000)
     assert set(drawn.tolist()) == {3, 5, 8} and abs(np.mean(drawn == 5) - 30 / 45) < 0.04
-    long_prompt = workflows.draw_segment_lengths(counts, rng, 50, min_len=6)
+    long_prompt = draw_segment_lengths(counts, rng, 50, min_len=6)
     assert set(long_prompt.tolist()) == {8}  # longer than the prompt
-    assert workflows.draw_segment_lengths(counts, rng, 1, min_len=9).tolist() == [8]  # none fits: the longest
-    np.testing.assert_array_equal(workflows.segment_rows(np.asarray([2, 4]), 5),
+    assert draw_segment_lengths(counts, rng, 1, min_len=9).tolist() == [8]  # none fits: the longest
+    np.testing.assert_array_equal(segment_rows(np.asarray([2, 4]), 5),
                                   [[1, 1, 0, 0, 0], [1, 1, 1, 1, 0]])
     # a model trained on segment rows keeps its prior through a safetensors round trip
     cfg = make_config("tiny", ["model=relf"])
@@ -443,14 +443,14 @@ def test_segment_length_prior_draws_and_travels_with_safetensors(tmp_path):
     model_dir = tmp_path / "relf"
     model_dir.mkdir()
     np.save(model_dir / EMBEDDINGS_FILE, np.ones((mc.vocab_size, mc.flow_embed_dim), np.float32))
-    np.save(model_dir / workflows.LENGTHS_FILE, counts)
+    np.save(model_dir / LENGTHS_FILE, counts)
     lm = LoadedModel(cfg=cfg, model_cfg=mc, graphdef=g, params=p, tokenizer=tok, step=1,
                      model_dir=str(model_dir))
-    np.testing.assert_array_equal(workflows.flow_lengths(lm), counts)
+    np.testing.assert_array_equal(flow_lengths(lm), counts)
     back = safetensors_io.load_safetensors(safetensors_io.save_safetensors(lm, str(tmp_path / "m.safetensors")))
-    np.testing.assert_array_equal(workflows.flow_lengths(back), counts)
+    np.testing.assert_array_equal(flow_lengths(back), counts)
     no_prior = dataclasses.replace(lm, model_dir=str(tmp_path))
-    assert workflows.flow_lengths(no_prior) is None  # a model trained on whole rows
+    assert flow_lengths(no_prior) is None  # a model trained on whole rows
 
 
 def test_relf_engine_writes_one_segment_of_a_drawn_length_for_a_segment_trained_model():

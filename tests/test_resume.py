@@ -53,7 +53,7 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
 
     subprocess.run(_cmd(killed), cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
 
-    from relf_jax.workflows import load_model
+    from relf_jax.loading import load_model
     a, b = load_model(full), load_model(killed)
     assert a.step == b.step == STEPS
     la, lb = jax.tree.leaves(a.params), jax.tree.leaves(b.params)

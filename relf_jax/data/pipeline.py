@@ -38,7 +38,7 @@ The contract, for a batch ``{"tokens", "segment_ids", "positions"}`` int32 ``[B,
 A model honours the contract by attending only within equal, non-zero segment ids (pad
 queries see nothing that matters: their outputs carry no loss) and by taking the loss where
 ``segment_ids[:, :-1] != 0``; at sampling time one segment per row, of a length drawn from the
-training documents' lengths, reproduces the training layout (`relf_jax.workflows`).
+training documents' lengths, reproduces the training layout (`relf_jax.flow.lengths`).
 
 The iterator is a grain ``DatasetIterator``: ``get_state()`` is a small JSON-safe dict
 and ``set_state`` on a freshly built iterator resumes exactly. Packing is our own

@@ -252,7 +252,7 @@ class WorkloadCost:
     fitted `CostModel`. The serving scheduler ranks by it (``SJF(key="dws_cost")``).
 
     predictor: a loaded "dws" model with the surface head (`relf_jax.checkpoint.LoadedModel`,
-    e.g. ``workflows.load_model(".../predictor_*/surface", "dws")``); cost_model: a
+    e.g. ``relf_jax.loading.load_model(".../predictor_*/surface", "dws")``); cost_model: a
     `CostModel`, its dict, or a JSON file holding one (``relf-jax bench dws``'s output, whose
     "cost_model" entry is used).
     """

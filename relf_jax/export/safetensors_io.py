@@ -31,7 +31,7 @@ LENGTHS = "flow.lengths"
 
 
 def _extras_from_dir(lm: LoadedModel) -> dict[str, np.ndarray]:
-    from relf_jax.workflows import LENGTHS_FILE
+    from relf_jax.checkpoint import LENGTHS_FILE
 
     extras = dict(lm.extras)
     path = os.path.join(lm.model_dir, EMBEDDINGS_FILE) if lm.model_dir else ""
@@ -91,14 +91,14 @@ def load_safetensors(path: str, *, mesh=None) -> LoadedModel:
 
 def import_safetensors(path: str, out: str, *, mesh=None) -> LoadedModel:
     """`load_safetensors`, then write a relf_jax checkpoint in ``<out>/<family>`` (plus ReLF's
-    embeddings.npy) that `relf-jax sample --workdir out` and `workflows.load_model` read."""
+    embeddings.npy) that `relf-jax sample --workdir out` and `relf_jax.loading.load_model` read."""
     lm = load_safetensors(path, mesh=mesh)
     model_dir = os.path.join(out, lm.model_cfg.family)
     os.makedirs(model_dir, exist_ok=True)
     if EMBEDDINGS in lm.extras:
         np.save(os.path.join(model_dir, EMBEDDINGS_FILE), lm.extras[EMBEDDINGS])
     if LENGTHS in lm.extras:
-        from relf_jax.workflows import LENGTHS_FILE
+        from relf_jax.checkpoint import LENGTHS_FILE
 
         np.save(os.path.join(model_dir, LENGTHS_FILE), lm.extras[LENGTHS])
     lm = dataclasses.replace(lm, cfg=dataclasses.replace(lm.cfg, workdir=out), model_dir=model_dir)

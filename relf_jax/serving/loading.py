@@ -45,7 +45,7 @@ def load_engine(workdir: str, generator: str = "ar", *, slots: int = 8, k: int =
     generator: "ar"; "standard" / "nsd" / "greedy" (speculative, with `proposer` "draft" (the
     model in `draft`, default ``<workdir>/draft``), "prompt_lookup" or "corpus_ngram" (next-token
     statistics, `k` drafts per round) of `ngram_corpus`: text files, directories or globs
-    (`workflows.corpus_ngram_table`), and/or ``"online"``: the prompts and replies served,
+    (`relf_jax.speculative.recipes.corpus_ngram_table`), and/or ``"online"``: the prompts and replies served,
     counted as requests finish (`relf_jax.speculative.ngram_draft.OnlineNgram`, keeping the
     newest `ngram_online_tokens` tokens; the named files, if any, always count). None: the
     training data of a model relf_jax trained; an imported model needs a corpus (`UserError`).
@@ -57,17 +57,18 @@ def load_engine(workdir: str, generator: str = "ar", *, slots: int = 8, k: int =
     occupied slots need, `relf_jax.serving.engines.slots.Spans`); longer requests are refused
     (HTTP 400).
     """
-    from relf_jax import workflows
     from relf_jax.data.tokenizer import same_tokenization
+    from relf_jax.loading import load_model
     from relf_jax.serving import engines as E
+    from relf_jax.speculative.recipes import corpus_ngram_table, corpus_rows
 
     if generator not in GENERATORS:
         raise UserError(f"unknown generator {generator!r}; choose one of: {', '.join(GENERATORS)}")
     if generator == "bd":
-        return E.BlockDiffusionEngine(workflows.load_model(workdir, "bd"), slots, threshold=threshold)
+        return E.BlockDiffusionEngine(load_model(workdir, "bd"), slots, threshold=threshold)
     if generator == "relf":
-        return E.ReLFEngine(workflows.load_model(workdir, "relf"), slots, nfe=nfe)
-    lm = workflows.load_model(workdir, "ar")
+        return E.ReLFEngine(load_model(workdir, "relf"), slots, nfe=nfe)
+    lm = load_model(workdir, "ar")
     if generator == "ar":
         return E.AREngine(lm, slots, top_k=top_k, steps_per_call=_or(steps_per_call, "ar"), max_context=max_context)
     dm = table = online = None
@@ -80,18 +81,18 @@ def load_engine(workdir: str, generator: str = "ar", *, slots: int = 8, k: int =
             from relf_jax.speculative.ngram_draft import OnlineNgram
 
             online = OnlineNgram(lm.model_cfg.vocab_size, max_tokens=ngram_online_tokens,
-                                 seed_rows=workflows.corpus_rows(lm, files) if files else ())
+                                 seed_rows=corpus_rows(lm, files) if files else ())
             print(f"[corpus_ngram] the n-gram table counts the requests served (the newest {ngram_online_tokens} "
                   f"tokens){' and ' + ', '.join(files) if files else ''}", file=sys.stderr, flush=True)
         else:
-            table = workflows.corpus_ngram_table(lm, files=files)
+            table = corpus_ngram_table(lm, files=files)
     if proposer == "draft":
         path = draft or os.path.join(workdir, "draft")
         if draft is None and not os.path.exists(path):
             raise UserError(f"generator {generator!r} with proposer 'draft' needs a draft model: none at {path}; "
                             "name one with draft= (relf-jax serve --draft PATH) or use proposer 'prompt_lookup' "
                             "or 'corpus_ngram'")
-        dm = workflows.load_model(path, "ar")
+        dm = load_model(path, "ar")
         if not same_tokenization(dm.tokenizer, lm.tokenizer):
             raise UserError(f"the draft in {path} uses another tokenizer than the target")
     return E.SpeculativeEngine(lm, dm, slots, rule=generator, k=k, proposer=proposer, nsd_top_p=nsd_top_p,
@@ -121,7 +122,7 @@ def build_models(workdir: str | None, generators: list[str], *, model_name: str 
     second waited; needs `cost_fn`, e.g. `relf_jax.dws.predictor.WorkloadCost`) or "priority"
     (the request's ``priority`` field, aging in levels per second). ``mock=True`` serves the
     model-free `MockEngine` (no checkpoint needed). `workdir` may be a HuggingFace folder (read in
-    place, `relf_jax.workflows.load_model`). template: None serves the checkpoint's own chat
+    place, `relf_jax.loading.load_model`). template: None serves the checkpoint's own chat
     template (`ChatTemplate.for_tokenizer`; the markers for a model without one). overlap:
     `Batcher`'s (the next engine step starts before the host work on the last one; None: the
     engine's default, on for the AR and speculative engines).
@@ -153,8 +154,8 @@ def build_models(workdir: str | None, generators: list[str], *, model_name: str 
         if warmup:  # compile every program the engine can run while serving (`Engine.warmup`)
             t0 = time.perf_counter()
             print(f"[serve] compiling the {gen} engine (a first start on CPU can take a minute; with "
-                  "`relf_jax.jit_cache` on, as in `relf-jax serve`, later starts read it back)", file=sys.stderr,
-                  flush=True)
+                  "`relf_jax.runtime.jit_cache` on, as in `relf-jax serve`, later starts read it back)",
+                  file=sys.stderr, flush=True)
             engine.warmup()
             print(f"[serve] {gen} engine compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         settings = {}

@@ -108,7 +108,7 @@ class ReplayBatches:
 class ContinualDraftTrainer:
     """Serve-and-learn loop for one draft; see the module docstring.
 
-    target, draft: `relf_jax.workflows.LoadedModel`s (same tokenizer); the draft is also the
+    target, draft: `relf_jax.checkpoint.LoadedModel`s (same tokenizer); the draft is also the
     frozen reference of the preference term and the KL anchor. Everything is kept in `workdir`:
     ``replay/`` (the store), ``draft/`` (checkpoints of the trained draft), ``progress.json``.
     """

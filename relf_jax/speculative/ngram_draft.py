@@ -1,7 +1,7 @@
 """A draft with no network: next-token statistics of a corpus, with back-off.
 
 `build_ngram_draft` counts, over token rows (a model's training data, text the user names, or
-the traffic served: `relf_jax.workflows.corpus_ngram_table`, `OnlineNgram`), which token follows each
+the traffic served: `relf_jax.speculative.recipes.corpus_ngram_table`, `OnlineNgram`), which token follows each
 context of c = 1 .. order - 1 tokens, keeps each context's `top_m` most frequent next tokens
 (contexts seen fewer than `min_count` times are dropped), and stores them as sorted tables.
 `propose` drafts K tokens on device: at each step it looks up the longest context that the

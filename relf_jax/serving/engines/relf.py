@@ -36,12 +36,13 @@ class ReLFEngine(Engine):
     `relf_jax.flow.samplers`). `nfe` network calls per reply; temperature and top_p do not apply
     (the sampler's own noise, seeded per request, makes the choice). A model trained on segment
     rows writes one segment of a length drawn (seeded per request) from its training segments'
-    lengths, longer than the prompt (`relf_jax.workflows.flow_lengths`).
+    lengths, longer than the prompt (`relf_jax.flow.lengths.flow_lengths`).
     """
 
     def __init__(self, lm, num_slots: int = 8, *, nfe: int | None = None, name: str = "relf"):
+        from relf_jax.flow.generate import flow_table
+        from relf_jax.flow.lengths import flow_lengths
         from relf_jax.flow.samplers import FlowSamplerSettings
-        from relf_jax.workflows import flow_lengths, flow_table
 
         if lm.model_cfg.family != "relf":
             raise UserError(f"the ReLF engine needs a 'relf' model, got {lm.model_cfg.family!r}")
@@ -79,7 +80,7 @@ class ReLFEngine(Engine):
         return row
 
     def _segment_len(self, prompt, seed) -> np.int32:
-        from relf_jax.workflows import draw_segment_lengths
+        from relf_jax.flow.lengths import draw_segment_lengths
 
         if self.length_counts is None:
             return np.int32(self.length)
@@ -111,8 +112,8 @@ class ReLFEngine(Engine):
         return state if stopped else self._jit_free(state, slot)
 
     def _step_all(self, params, slots: _FlowSlot):
+        from relf_jax.flow.generate import segment_residual
         from relf_jax.flow.samplers import sample as flow_sample
-        from relf_jax.workflows import segment_residual
 
         graphdef, table, settings = self.lm.graphdef, self.table, self.flow_settings
         weights = self._weights.tree(params)
