@@ -29,6 +29,7 @@ from relf_jax.dws.decoding import (
     outputs,
     pad_prompts,
 )
+from relf_jax.io import write_json
 
 
 @dataclasses.dataclass
@@ -98,11 +99,7 @@ def decode_labels(graphdef, params, prompts: Sequence[Sequence[int]], settings: 
             return cached["steps"], cached["lens"]
     steps, lens = _decode_labels(graphdef, params, prompts, settings, batch_size, progress)
     if path is not None:
-        os.makedirs(cache_dir, exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"steps": steps, "lens": lens}, f)
-        os.replace(tmp, path)
+        write_json(path, {"steps": steps, "lens": lens}, indent=None)
     return steps, lens
 
 

@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
+from relf_jax.io import write_json
 from relf_jax.sampling import autoregressive as ar
 from relf_jax.speculative import generate as spec
 from relf_jax.speculative.rcsd import RCSDLossSettings, make_rcsd_loss
@@ -146,11 +147,7 @@ class ContinualDraftTrainer:
 
     def _write_progress(self, **kw) -> None:
         state = {**self.progress(), **kw}
-        path = os.path.join(self.workdir, "progress.json")
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(state, f, indent=2)
-        os.replace(tmp, path)
+        write_json(os.path.join(self.workdir, "progress.json"), state)
 
     def _train_cfg(self, cycle: int):
         s = self.settings
