@@ -1,6 +1,12 @@
 """relf_jax: a JAX/TPU-first model zoo for low-latency chatbots."""
 
+import re
+
 from setuptools import find_packages, setup
+
+# the version is defined once, in relf_jax/__init__.py (`relf_jax.__version__`)
+with open("relf_jax/__init__.py", encoding="utf-8") as f:
+    VERSION = re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
 
 CORE = [
     "jax>=0.10.2",
@@ -44,7 +50,7 @@ EXTRAS = {
 
 setup(
     name="relf_jax",
-    version="0.1.0",
+    version=VERSION,
     description="JAX/TPU-first model zoo for low-latency chatbots: ReLF, NSD, RCSD, DWS.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
