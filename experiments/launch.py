@@ -31,7 +31,7 @@ Config overrides are ``key=value`` words after the subcommand, e.g.::
     relf-jax info
 
 On a TPU pod run the same command on every worker; JAX's multi-host runtime is started by
-`relf_jax.sharding.init_distributed` (``mesh.distributed=auto|on|off``).
+`relf_jax.runtime.sharding.init_distributed` (``mesh.distributed=auto|on|off``).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Command:
 
 
 def _info(args) -> int:
-    from relf_jax.info import describe
+    from relf_jax.runtime.info import describe
 
     print(json.dumps(describe(), indent=2))
     return 0
@@ -121,8 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from relf_jax import jit_cache
     from relf_jax.errors import UserError
+    from relf_jax.runtime import jit_cache
 
     jit_cache.enable()  # programs compiled by an earlier relf-jax process are read back (RELF_JAX_JIT_CACHE=off)
     try:

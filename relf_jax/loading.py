@@ -24,7 +24,7 @@ FAMILIES = ("ar", "relf", "bd", "dws")
 def restore_params(model_dir: str, model_cfg: ModelConfig, train_cfg, mesh=None):
     """(graphdef, params, meta) of the newest good checkpoint in `model_dir`, restoring the
     parameters only. Raises `UserError` if there is none or it holds another model family."""
-    from relf_jax.sharding import make_mesh
+    from relf_jax.runtime.sharding import make_mesh
     from relf_jax.train.loop import plan_state
     from relf_jax.train.optimizers import make_optimizer
 

@@ -33,7 +33,7 @@ def pytest_configure(config):
     #   engine and training tests;
     # - the older loop emitters for fusions instead of the MLIR fusion emitters, and
     # - no XNNPACK rewrite of dots: together 1.5-1.9x on the engine and speculative tests.
-    # The per-program options of relf_jax.compile_options still apply. The flags go into
+    # The per-program options of relf_jax.runtime.compile_options still apply. The flags go into
     # XLA_FLAGS, so they reach the CLI subprocesses too.
     # RELF_JAX_TEST_LLVM_OPT=N picks another LLVM level; RELF_JAX_TEST_XLA_DEFAULTS=1 drops all three.
     # XLA aborts the process on a flag it does not know, so each flag is first tried in a

@@ -186,7 +186,7 @@ import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 sys.path.insert(0, sys.argv[1])
 from relf_jax.export.hf import from_hf
-from relf_jax.sharding import make_mesh
+from relf_jax.runtime.sharding import make_mesh
 tokens = jnp.asarray(json.loads(sys.argv[3]))
 out = {}
 for name, mesh in (("one", None), ("eight", make_mesh(2, 2, 2))):

@@ -1,4 +1,4 @@
-"""relf_jax.jit_cache: the persistent compilation cache the CLI turns on (in subprocesses, so
+"""relf_jax.runtime.jit_cache: the persistent compilation cache the CLI turns on (in subprocesses, so
 the test workers' own cache settings stay as conftest made them)."""
 
 import json
@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = r"""
 import json, os, sys
 import jax
-from relf_jax import jit_cache
+from relf_jax.runtime import jit_cache
 out = {}
 os.environ["RELF_JAX_JIT_CACHE"] = "off"
 out["off"] = jit_cache.enable()
@@ -39,7 +39,7 @@ def _run(tmp_path, env_extra):
 
 
 def test_enable_off_unusable_on_and_an_existing_cache_wins(tmp_path):
-    from relf_jax import jit_cache
+    from relf_jax.runtime import jit_cache
 
     out, err = _run(tmp_path, {})
     assert out["off"] is None and out["off_config"] is None
@@ -57,7 +57,7 @@ def test_enable_off_unusable_on_and_an_existing_cache_wins(tmp_path):
 
 
 def test_default_directory_follows_xdg(monkeypatch, tmp_path):
-    from relf_jax import jit_cache
+    from relf_jax.runtime import jit_cache
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert jit_cache.default_dir() == os.path.join(str(tmp_path), "relf_jax", "jit")

@@ -131,7 +131,7 @@ def test_resuming_with_other_model_settings_is_a_user_error(trained, tiny_model_
 
 
 def _one_device_mesh():
-    from relf_jax.sharding import make_mesh
+    from relf_jax.runtime.sharding import make_mesh
     return make_mesh(1, 1, 1, devices=jax.devices()[:1])
 
 
@@ -142,7 +142,7 @@ import dataclasses, json, sys
 import jax, numpy as np
 sys.path.insert(0, sys.argv[1])
 from relf_jax.config import make_config
-from relf_jax.sharding import make_mesh
+from relf_jax.runtime.sharding import make_mesh
 from relf_jax.train.loop import train
 from relf_jax.train.objectives import next_token_loss
 from tests._synthetic_batches import CountingBatches
@@ -206,9 +206,9 @@ def test_step_cache_reuses_the_compiled_step_only_when_the_optimizer_matches(tmp
 
 
 def test_cpu_train_options_reach_xla_and_keep_the_step_s_result(tmp_path, tiny_model_cfg, monkeypatch):
-    """The train step's CPU compiler options (relf_jax.compile_options) are accepted by this jaxlib,
+    """The train step's CPU compiler options (relf_jax.runtime.compile_options) are accepted by this jaxlib,
     change the compiled program (YNNPACK fusions), and give the step XLA's default result."""
-    from relf_jax import compile_options as co
+    from relf_jax.runtime import compile_options as co
 
     opts = co.train_options(jax.devices())
     assert opts == co.CPU_TRAIN_OPTIONS
@@ -234,7 +234,7 @@ def test_cpu_train_options_reach_xla_and_keep_the_step_s_result(tmp_path, tiny_m
 def test_grad_accum_sums_tokens_and_averages_other_metrics(tiny_model_cfg):
     """A step's metrics over micro-batches: "tokens" adds up, a per-batch metric (a constant 0.5,
     the batch's mean token id) is averaged, not multiplied by grad_accum."""
-    from relf_jax import sharding as shd
+    from relf_jax.runtime import sharding as shd
     from relf_jax.train.loop import init_state, make_train_step, put_batch
 
     def loss_with_metrics(model, batch, key):

@@ -118,7 +118,7 @@ def _hf_generate(model, prompts: np.ndarray, new: int, assistant=None):
 def _ours_train(lm, batch: np.ndarray):
     import jax
 
-    from relf_jax import sharding as shd
+    from relf_jax.runtime import sharding as shd
     from relf_jax.train.loop import init_state, make_train_step, plan_state, put_batch
     from relf_jax.train.objectives import next_token_loss
     from relf_jax.train.optimizers import make_optimizer

@@ -14,7 +14,7 @@ def train_args(p):
 def train(args) -> int:
     import relf_jax as rj
     from relf_jax.config import make_config
-    from relf_jax.sharding import init_distributed
+    from relf_jax.runtime.sharding import init_distributed
 
     cfg = make_config(args.preset, args.overrides, workdir=args.workdir or os.path.join("runs", args.preset))
     init_distributed(cfg.mesh.distributed)

@@ -62,7 +62,7 @@ def data_reference(cfg: Config, tok, judge, n: int, max_tokens: int) -> dict:
 def validation_loss(lm, max_batches: int = 8) -> float:
     """Mean next-token loss on the validation split (nats/token)."""
     from relf_jax.data import pipeline
-    from relf_jax.sharding import make_mesh
+    from relf_jax.runtime.sharding import make_mesh
     from relf_jax.train.loop import make_eval_step, plan_state
     from relf_jax.train.objectives import next_token_loss
     from relf_jax.train.optimizers import make_optimizer

@@ -13,10 +13,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from relf_jax import sharding as shd
 from relf_jax.config import ModelConfig
 from relf_jax.errors import UserError
 from relf_jax.models.registry import abstract_params
+from relf_jax.runtime import sharding as shd
 
 
 def _name(path: tuple) -> str:
@@ -66,7 +66,7 @@ def params_from_flat(model_cfg: ModelConfig, flat: Mapping[str, np.ndarray], *, 
 def save_checkpoint(lm, model_dir: str, *, extra_meta: Optional[dict] = None) -> str:
     """Write a `LoadedModel` as a relf_jax checkpoint (fresh optimizer state) in `model_dir`.
 
-    Every `relf-jax` command and `workflows.load_model` then read it like a trained model; training
+    Every `relf-jax` command and `relf_jax.loading.load_model` then read it like a trained model; training
     from it (fine-tuning) starts at its step.
     """
     from relf_jax.checkpoint import Checkpointer

@@ -41,7 +41,7 @@ from relf_jax.models.layers import (
     decoder_stack,
     make_param,
 )
-from relf_jax.sharding import constrain
+from relf_jax.runtime.sharding import constrain
 
 
 def mask_id(cfg: ModelConfig) -> int:

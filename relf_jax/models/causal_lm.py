@@ -24,7 +24,7 @@ from relf_jax.models.layers import (
     decoder_stack,
     make_param,
 )
-from relf_jax.sharding import constrain
+from relf_jax.runtime.sharding import constrain
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

@@ -57,7 +57,7 @@ from relf_jax.models.layers import (
     causal_mask,
     make_param,
 )
-from relf_jax.sharding import constrain
+from relf_jax.runtime.sharding import constrain
 
 TIME_FEATURES = 64
 EVIDENCE_CLIP = 10.0

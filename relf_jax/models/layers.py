@@ -1,7 +1,7 @@
 """Shared transformer blocks (Flax NNX): RMSNorm, RoPE, SwiGLU, grouped-query attention.
 
 Every parameter carries logical axis names as ``logical_axes`` metadata (see
-`relf_jax.sharding`). Attention takes an explicit boolean mask, so the same block serves
+`relf_jax.runtime.sharding`). Attention takes an explicit boolean mask, so the same block serves
 causal LMs, bidirectional flow models and block-diffusion models; the mask helpers are here.
 An optional conditioning vector (e.g. a flow time embedding) modulates the norms (adaLN,
 zero-initialised so a fresh conditioned block equals an unconditioned one).
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from relf_jax.sharding import constrain
+from relf_jax.runtime.sharding import constrain
 
 KVCache = tuple[tuple[jax.Array, jax.Array], ...]  # per layer (k, v): [B, K, S, Dh] each
 

@@ -1,6 +1,7 @@
-"""Engines and served models from checkpoints: `load_engine` (one engine per generator, the
-engine of `ChatModel` and `relf-jax serve`) and `build_models` (engines + batchers + chat
-templates behind one model id, what the HTTP server serves).
+"""Engines and served models from checkpoints: `engine_for` (the engine of a method object,
+`relf_jax.methods`, for `ChatModel` and `relf-jax serve`; `load_engine` parses the CLI's generator
+and proposer strings into one) and `build_models` (engines + batchers + chat templates behind
+one model id, what the HTTP server serves).
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import sys
 import time
 from collections.abc import Sequence
 
+from relf_jax import methods
 from relf_jax.errors import UserError
 from relf_jax.serving.batching import Batcher
 from relf_jax.serving.chat_template import ChatTemplate
 from relf_jax.serving.engine_api import Engine
 
-GENERATORS = ("ar", "standard", "nsd", "greedy", "bd", "relf")
+GENERATORS = methods.GENERATORS
 
 
 # AR tokens / speculative rounds per engine call when served (`load_engine`, `relf-jax serve`):
@@ -26,7 +28,7 @@ STEPS_PER_CALL = {"ar": 8, "speculative": 2}
 
 
 # traffic tokens an online corpus n-gram table keeps (`load_engine`'s ngram_corpus "online")
-ONLINE_NGRAM_TOKENS = 32768
+ONLINE_NGRAM_TOKENS = methods.ONLINE_NGRAM_TOKENS
 
 
 def _or(steps_per_call: int | None, kind: str) -> int:
@@ -57,48 +59,71 @@ def load_engine(workdir: str, generator: str = "ar", *, slots: int = 8, k: int =
     occupied slots need, `relf_jax.serving.engines.slots.Spans`); longer requests are refused
     (HTTP 400).
     """
-    from relf_jax.data.tokenizer import same_tokenization
+    method = methods.parse_method(generator, proposer=proposer, k=k, nsd_top_p=nsd_top_p, nfe=nfe,
+                                  threshold=threshold, draft=draft, corpus=ngram_corpus,
+                                  online_tokens=ngram_online_tokens)
+    return engine_for(workdir, method, slots=slots, top_k=top_k, steps_per_call=steps_per_call,
+                      max_context=max_context)
+
+
+def engine_for(workdir: str, method: methods.Method, *, slots: int = 8, top_k: int = 0,
+               steps_per_call: int | None = None, max_context: int | None = None) -> Engine:
+    """The serving engine that decodes the checkpoint in `workdir` with `method` (a
+    `relf_jax.methods` object); the other settings as in `load_engine`. A `BlockDiffusion`
+    threshold left None is 0.95, a `Flow` nfe left None the model's."""
     from relf_jax.loading import load_model
     from relf_jax.serving import engines as E
+
+    family = methods.family_of(method)
+    if isinstance(method, methods.BlockDiffusion):
+        threshold = 0.95 if method.threshold is None else method.threshold
+        return E.BlockDiffusionEngine(load_model(workdir, family), slots, threshold=threshold)
+    if isinstance(method, methods.Flow):
+        return E.ReLFEngine(load_model(workdir, family), slots, nfe=method.nfe)
+    lm = load_model(workdir, family)
+    if isinstance(method, methods.Autoregressive):
+        return E.AREngine(lm, slots, top_k=top_k, steps_per_call=_or(steps_per_call, "ar"), max_context=max_context)
+    draft, table, online, ngram = proposer_inputs(workdir, lm, method)
+    return E.SpeculativeEngine(lm, draft, slots, rule=method.rule, k=method.k, proposer=method.proposer_name,
+                               nsd_top_p=method.nsd_top_p, ngram=ngram,
+                               steps_per_call=_or(steps_per_call, "speculative"), name=f"spec-{method.rule}",
+                               max_context=max_context, ngram_table=table, ngram_online=online)
+
+
+def proposer_inputs(workdir: str, lm, method: methods.Speculative):
+    """(draft model, n-gram table, online n-gram table, prompt-lookup n) of `method`'s proposer
+    for the target `lm` of `workdir` (None where the proposer takes none)."""
+    from relf_jax.data.tokenizer import same_tokenization
+    from relf_jax.loading import load_model
     from relf_jax.speculative.recipes import corpus_ngram_table, corpus_rows
 
-    if generator not in GENERATORS:
-        raise UserError(f"unknown generator {generator!r}; choose one of: {', '.join(GENERATORS)}")
-    if generator == "bd":
-        return E.BlockDiffusionEngine(load_model(workdir, "bd"), slots, threshold=threshold)
-    if generator == "relf":
-        return E.ReLFEngine(load_model(workdir, "relf"), slots, nfe=nfe)
-    lm = load_model(workdir, "ar")
-    if generator == "ar":
-        return E.AREngine(lm, slots, top_k=top_k, steps_per_call=_or(steps_per_call, "ar"), max_context=max_context)
-    dm = table = online = None
-    corpus = [ngram_corpus] if isinstance(ngram_corpus, str) else list(ngram_corpus or [])
-    if corpus and proposer != "corpus_ngram":
-        raise UserError(f"an n-gram corpus (--ngram-corpus) is for proposer corpus_ngram, not {proposer!r}")
-    if proposer == "corpus_ngram":
-        files = [c for c in corpus if c != "online"]
-        if "online" in corpus:
-            from relf_jax.speculative.ngram_draft import OnlineNgram
+    p = method.proposer
+    if isinstance(p, methods.PromptLookup):
+        return None, None, None, p.ngram
+    if isinstance(p, methods.NgramTable):
+        files = list(p.files)
+        if not p.online:
+            return None, corpus_ngram_table(lm, p.order, p.top_m, files=files), None, methods.PromptLookup().ngram
+        from relf_jax.speculative.ngram_draft import OnlineNgram
 
-            online = OnlineNgram(lm.model_cfg.vocab_size, max_tokens=ngram_online_tokens,
-                                 seed_rows=corpus_rows(lm, files) if files else ())
-            print(f"[corpus_ngram] the n-gram table counts the requests served (the newest {ngram_online_tokens} "
-                  f"tokens){' and ' + ', '.join(files) if files else ''}", file=sys.stderr, flush=True)
-        else:
-            table = corpus_ngram_table(lm, files=files)
-    if proposer == "draft":
-        path = draft or os.path.join(workdir, "draft")
-        if draft is None and not os.path.exists(path):
-            raise UserError(f"generator {generator!r} with proposer 'draft' needs a draft model: none at {path}; "
+        online = OnlineNgram(lm.model_cfg.vocab_size, max_tokens=p.online_tokens,
+                             seed_rows=corpus_rows(lm, files) if files else ())
+        print(f"[corpus_ngram] the n-gram table counts the requests served (the newest {p.online_tokens} "
+              f"tokens){' and ' + ', '.join(files) if files else ''}", file=sys.stderr, flush=True)
+        return None, None, online, methods.PromptLookup().ngram
+    if not isinstance(p.path_or_model, (str, type(None))):
+        draft, path = p.path_or_model, "the draft model given"
+    else:
+        path = p.path_or_model or os.path.join(workdir, "draft")
+        if p.path_or_model is None and not os.path.exists(path):
+            raise UserError(f"generator {method.rule!r} with proposer 'draft' needs a draft model: none at {path}; "
                             "name one with draft= (relf-jax serve --draft PATH) or use proposer 'prompt_lookup' "
                             "or 'corpus_ngram'")
-        dm = load_model(path, "ar")
-        if not same_tokenization(dm.tokenizer, lm.tokenizer):
-            raise UserError(f"the draft in {path} uses another tokenizer than the target")
-    return E.SpeculativeEngine(lm, dm, slots, rule=generator, k=k, proposer=proposer, nsd_top_p=nsd_top_p,
-                               steps_per_call=_or(steps_per_call, "speculative"),
-                               name=f"spec-{generator}", max_context=max_context, ngram_table=table,
-                               ngram_online=online)
+        draft = load_model(path, "ar")
+        path = f"the draft in {path}"
+    if not same_tokenization(draft.tokenizer, lm.tokenizer):
+        raise UserError(f"{path} uses another tokenizer than the target")
+    return draft, None, None, methods.PromptLookup().ngram
 
 
 @dataclasses.dataclass

@@ -31,12 +31,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from relf_jax import sharding as shd
 from relf_jax.checkpoint import Checkpointer, abstract_like
-from relf_jax.compile_options import train_options
 from relf_jax.config import Config, ModelConfig
 from relf_jax.errors import UserError
 from relf_jax.models.registry import abstract_params, build_model
+from relf_jax.runtime import sharding as shd
+from relf_jax.runtime.compile_options import train_options
 from relf_jax.train.metrics import MetricsWriter, plot_loss_curve
 from relf_jax.train.optimizers import learning_rate_schedule, make_optimizer
 

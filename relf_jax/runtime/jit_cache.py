@@ -9,7 +9,7 @@ those win, untouched) or ``RELF_JAX_JIT_CACHE`` is ``0`` / ``off``. Where it goe
 ``~/.cache/relf_jax/jit``. It keeps programs that took at least `MIN_COMPILE_S` to compile and
 holds at most `MAX_BYTES` (JAX drops the least recently used entries past that).
 
-Colab or any Python process: call ``relf_jax.jit_cache.enable()`` before the first compile.
+Colab or any Python process: call ``relf_jax.runtime.jit_cache.enable()`` before the first compile.
 A cache that cannot be read or written only costs the compile again (JAX warns and goes on).
 """
 

@@ -7,7 +7,7 @@ import platform
 
 import jax
 
-from relf_jax.sharding import make_mesh
+from relf_jax.runtime.sharding import make_mesh
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tensorflow-datasets",
             "sentencepiece", "numpy")
