@@ -90,8 +90,9 @@ def test_chat_model_chats_and_streams(run_dir):
         pieces = list(bot.stream(messages, temperature=0.0, max_tokens=8))
         assert all(isinstance(p, str) for p in pieces) and "".join(pieces) == reply
         assert bot.chat(messages, rj.SamplingParams(temperature=0.0, max_new_tokens=8)) == reply
-    method = rj.Speculative(rule="nsd", k=2, proposer=rj.PromptLookup())
-    assert rj.ChatModel.engine_args(method) == ("nsd", {"k": 2, "nsd_top_p": 0.9, "proposer": "prompt_lookup"})
+    method = rj.Speculative(rule="nsd", k=2, proposer=rj.DraftModel(rj.load(run_dir)))  # a loaded model drafts
+    with rj.ChatModel.load(run_dir, method=method) as bot:
+        assert isinstance(bot.chat(messages, temperature=0.0, max_tokens=8), str)
 
 
 def test_method_objects_check_their_values():

@@ -23,7 +23,7 @@ from relf_jax.errors import UserError
 from relf_jax.serving.batching import Batcher, Event, GenerationRequest
 from relf_jax.serving.chat_template import ChatTemplate, encode_chat
 from relf_jax.serving.engine_api import Engine, RequestParams
-from relf_jax.serving.loading import load_engine
+from relf_jax.serving.loading import engine_for, load_engine
 from relf_jax.serving.scheduler import Policy
 
 
@@ -47,53 +47,16 @@ class ChatModel:
     def load(cls, workdir: str, generator: str | None = None, *, method=None,
              template: ChatTemplate | str | None = None, slots: int = 4, **engine_kw) -> ChatModel:
         """Load the checkpoint in `workdir` to decode with `method` (a `relf_jax.methods` object:
-        ``Autoregressive()``, the default, ``Speculative(...)``, ``Flow(...)``, ``BlockDiffusion(...)``)
-        or, as the CLI names it, with `generator` and `engine_kw` (see `load_engine`)."""
+        ``Autoregressive()``, the default, ``Speculative(...)``, ``Flow(...)``, ``BlockDiffusion(...)``;
+        `engine_kw`: top_k, steps_per_call, max_context, see `engine_for`) or, as the CLI names
+        it, with a `generator` string and `load_engine`'s keywords."""
+        if isinstance(template, str):
+            template = ChatTemplate.from_file(template)
         if method is not None:
             if generator is not None:
                 raise UserError("ChatModel.load takes a method or a generator name, not both")
-            generator, method_kw = cls.engine_args(method)
-            engine_kw = {**method_kw, **engine_kw}
-        if isinstance(template, str):
-            template = ChatTemplate.from_file(template)
+            return cls(engine_for(workdir, method, slots=slots, **engine_kw), template)
         return cls(load_engine(workdir, generator or "ar", slots=slots, **engine_kw), template)
-
-    @staticmethod
-    def engine_args(method) -> tuple[str, dict]:
-        """(generator, `load_engine` keywords) of a method object. Settings the engines do not take
-        (a loaded draft model, prompt lookup's n-gram, the n-gram table's order and size, a flow
-        sampler or block confidence other than the engine's) are refused by name."""
-        from relf_jax import methods as M
-
-        def refuse(what: str):
-            raise UserError(f"ChatModel (the serving engines) does not take {what}")
-
-        generator = M.generator_name(method)
-        if isinstance(method, M.Flow):
-            if any(v is not None for v in (method.sampler, method.guidance, method.renoise, method.prompt_mode,
-                                           method.length)):
-                refuse("Flow settings other than nfe")
-            return generator, {"nfe": method.nfe}
-        if isinstance(method, M.BlockDiffusion):
-            if method.confidence not in (None, "max"):
-                refuse(f"BlockDiffusion(confidence={method.confidence!r})")
-            return generator, {} if method.threshold is None else {"threshold": method.threshold}
-        if not isinstance(method, M.Speculative):
-            return generator, {}
-        p = method.proposer
-        kw = {"k": method.k, "nsd_top_p": method.nsd_top_p, "proposer": method.proposer_name}
-        if isinstance(p, M.DraftModel):
-            if p.path_or_model is not None and not isinstance(p.path_or_model, str):
-                refuse("a loaded draft model: name its folder, DraftModel(path)")
-            kw["draft"] = p.path_or_model
-        elif isinstance(p, M.PromptLookup):
-            if p.ngram != M.PromptLookup().ngram:
-                refuse(f"PromptLookup(ngram={p.ngram})")
-        else:
-            if (p.order, p.top_m) != (M.NgramTable().order, M.NgramTable().top_m):
-                refuse(f"NgramTable(order={p.order}, top_m={p.top_m})")
-            kw.update(ngram_corpus=list(p.corpus) or None, ngram_online_tokens=p.online_tokens)
-        return generator, kw
 
     def prompt_ids(self, messages: Sequence[dict]) -> list[int]:
         return encode_chat(self.engine.tokenizer, self.template, messages)
