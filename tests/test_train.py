@@ -217,7 +217,7 @@ def test_cpu_train_options_reach_xla_and_keep_the_step_s_result(tmp_path, tiny_m
     plain = jax.jit(lambda a: jnp.tanh(a @ a)).lower(x).compile().as_text()
     assert "ynn" in with_opts and with_opts != plain
     # an option this jaxlib does not know: defaults and a warning, not a failing step
-    assert not co._accepted((("xla_cpu_no_such_option", "1"),))
+    assert not co.accepted_on_cpu((("xla_cpu_no_such_option", "1"),))
 
     outs = []
     for defaults in ("0", "1"):

@@ -38,7 +38,9 @@ def _platform(mesh_or_devices: Any) -> str:
 
 
 @functools.cache
-def _accepted(items: tuple[tuple[str, str], ...]) -> bool:
+def accepted_on_cpu(items: tuple[tuple[str, str], ...]) -> bool:
+    """Whether this jaxlib's XLA:CPU compiles a tiny program with these (name, value) options (checked
+    once per process); a refusal is logged as a warning."""
     try:
         x = jax.device_put(jnp.ones((8, 8), jnp.float32), jax.devices("cpu")[0])
         jax.jit(lambda a: jnp.tanh(a @ a), compiler_options=dict(items)).lower(x).compile()
@@ -54,6 +56,6 @@ def train_options(mesh_or_devices: Any) -> dict[str, str]:
     options above on CPU, an empty dict elsewhere or when ``RELF_JAX_XLA_CPU_DEFAULTS`` is set."""
     if os.environ.get("RELF_JAX_XLA_CPU_DEFAULTS", "") not in ("", "0"):
         return {}
-    if _platform(mesh_or_devices) != "cpu" or not _accepted(tuple(CPU_TRAIN_OPTIONS.items())):
+    if _platform(mesh_or_devices) != "cpu" or not accepted_on_cpu(tuple(CPU_TRAIN_OPTIONS.items())):
         return {}
     return dict(CPU_TRAIN_OPTIONS)
