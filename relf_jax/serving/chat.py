@@ -1,8 +1,8 @@
 """`ChatModel`, the Python API for Colab: the same engines and continuous batcher as
 `relf-jax serve`, in process::
 
-    from relf_jax import ChatModel
-    bot = ChatModel.load("runs/cpu", generator="nsd")
+    import relf_jax as rj
+    bot = rj.ChatModel.load("runs/cpu", method=rj.Speculative(rule="nsd", proposer=rj.NgramTable()))
     print(bot.chat([{"role": "user", "content": "hi, how are you"}]))
     for piece in bot.stream([{"role": "user", "content": "tell me about music"}]):
         print(piece, end="")
