@@ -34,7 +34,7 @@ def trained_by_relf_jax(lm: LoadedModel) -> bool:
 def corpus_rows(lm: LoadedModel, files: Sequence[str]) -> list[list[int]]:
     """Token rows of the documents in `files` (``.txt`` / ``.jsonl`` files, directories or globs,
     read as the ``text_files`` source reads them), each ``tokens + [eos]``."""
-    from relf_jax.data.builders.text_files.text_files import read_documents, resolve_files
+    from relf_jax.data.builders.text_files import read_documents, resolve_files
 
     tok = lm.tokenizer
     docs = [d for f in files for path in resolve_files(f) for d in read_documents(path)]
