@@ -103,7 +103,6 @@ def test_default_predictor_is_small():
     assert n <= 1_000_000
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("block_head", ["continue", "length"])
 def test_coarse_to_fine_training_learns_the_surface(tmp_path, block_head):
     cfg = make_config("tiny", ["train.learning_rate=1e-2", "train.warmup_steps=5", "train.progress=false",
