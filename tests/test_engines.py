@@ -83,7 +83,7 @@ def test_ar_engine_matches_the_sampler_per_request(steps_per_call):
 
 @pytest.mark.parametrize("rule,proposer,steps_per_call", [
     ("nsd", "draft", 1), ("nsd", "draft", 2), ("standard", "corpus_ngram", 1),
-    pytest.param("standard", "prompt_lookup", 1, marks=pytest.mark.slow)])
+    ("standard", "prompt_lookup", 1)])
 def test_speculative_engine_matches_the_sampler_per_request(rule, proposer, steps_per_call):
     from relf_jax.sampling import autoregressive as ar
     from relf_jax.speculative import generate as spec
@@ -143,11 +143,11 @@ def test_engines_compile_the_top_p_sort_only_while_a_slot_filters():
     """Under the engines' vmap a runtime cond would sort every step; the state records on the
     host which slots use top_p < 1, and only then is the filter traced."""
     lm, draft = tiny_lm("ar", 0, max_seq_len=64), tiny_lm("ar", 1, max_seq_len=64)
-    cases = [(E.AREngine(lm, 2), lambda eng, st: (lm.params, st.slots)),
-             (E.SpeculativeEngine(lm, draft, 2, rule="nsd", k=2), lambda eng, st: (lm.params, draft.params, st.slots))]
+    cases = [(E.AREngine(lm, 2), lambda eng, st: ((lm.params,), st.slots)),
+             (E.SpeculativeEngine(lm, draft, 2, rule="nsd", k=2), lambda eng, st: ((lm.params, draft.params), st.slots))]
     for eng, args in cases:
         def sorts(state):
-            step = functools.partial(eng._step_all, features=state.features)
+            step = functools.partial(eng.step_all, features=state.features)
             return " sort[" in str(jax.make_jaxpr(step)(*args(eng, state)))  # the primitive
 
         state = eng.init_state()
@@ -161,8 +161,8 @@ def test_engines_compile_the_top_p_sort_only_while_a_slot_filters():
 
 
 def test_block_diffusion_engine_matches_the_decoder():
-    from relf_jax.dws import decoding as bdd
     from relf_jax.dws.workload import decode_settings
+    from relf_jax.sampling import block_diffusion as bdd
 
     lm = tiny_lm("bd", max_seq_len=64)
     eng = E.BlockDiffusionEngine(lm, 2, threshold=0.5)
@@ -251,32 +251,31 @@ def test_cache_span_grows_and_shrinks_with_the_occupied_slots_not_the_tokens(mon
     slots need (`engines.slots.Spans`): a long request grows it, its end shrinks it, and each
     request's tokens are still its sampler's over the full context."""
     from relf_jax.sampling import autoregressive as ar
-    from relf_jax.speculative import generate as spec
-
     from relf_jax.serving.engines import slots
+    from relf_jax.speculative import generate as spec
 
     monkeypatch.setattr(slots, "SPAN_MIN", 16)  # spans 16, 32, 64 on a 64-token context
     lm, draft = tiny_lm("ar", 0, max_seq_len=64), tiny_lm("ar", 1, max_seq_len=64)
     pa, pb = RequestParams(40, 1.0, seed=3), RequestParams(8, 1.0, seed=9)
     for eng in (E.AREngine(lm, 2, steps_per_call=2), E.SpeculativeEngine(lm, draft, 2, rule="nsd", k=2)):
-        assert eng._spans.lengths == (16, 32, 64)
+        assert eng.spans.lengths == (16, 32, 64)
         eng.warmup([6], spans=1)  # the shortest span only (as `ChatModel` does); the rest compile when used
-        assert eng._spans.pin is None and not any(eng._spans.ends)
+        assert eng.spans.pin is None and not any(eng.spans.ends)
         state, pre = eng.prefill_insert(PROMPTS[1], pa, eng.init_state(), 0)  # 6 prompt tokens
-        out, spans = {0: list(pre.tokens)}, [eng._span(state)]
+        out, spans = {0: list(pre.tokens)}, [eng.cache_span(state)]
         for _ in range(40):  # A alone, past what 32 slots hold
             if len(out[0]) >= 36:
                 break
             state, res = eng.generate(state)
             out[0] += res.tokens[0]
-            spans.append(eng._span(state))
+            spans.append(eng.cache_span(state))
         pre = eng.prefill(PROMPTS[1], pb)  # B joins with the unfused path, A leaves (its max_tokens)
         state = eng.free(eng.insert(pre, state, 1), 0)
         out[1] = list(pre.tokens)
         for _ in range(2):
             state, res = eng.generate(state)
             out[1] += res.tokens[1]
-            spans.append(eng._span(state))
+            spans.append(eng.cache_span(state))
         assert spans[0] == 16 and 64 in spans and spans[-1] == 16, spans
         arr, lens = ar.pad_prompts([PROMPTS[1]], 0)
         for slot, p in ((0, pa), (1, pb)):

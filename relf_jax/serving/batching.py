@@ -38,7 +38,6 @@ slot), so the overhead of everything that is not a model step can be measured.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import sys
 import threading
@@ -46,84 +45,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from relf_jax.serving.engine_api import Engine, RequestParams
+from relf_jax.serving.engine_api import Engine
+from relf_jax.serving.request_types import Event, GenerationRequest, Live, ServerClosed, Stats, holdback
 from relf_jax.serving.scheduler import FCFS, Policy, QueueFull, Request, RequestQueue
 
 __all__ = ["Batcher", "Event", "GenerationRequest", "QueueFull", "ServerClosed"]
-
-
-class ServerClosed(Exception):
-    """The batcher is draining or stopped and takes no new requests."""
-
-
-@dataclasses.dataclass
-class GenerationRequest:
-    prompt: list[int]  # token ids, BOS first
-    params: RequestParams
-    stop: tuple[str, ...] = ()  # stop strings: the reply ends before the first one
-    priority: int = 0
-    predicted: dict[str, float] = dataclasses.field(default_factory=dict)  # for SJF policies
-    id: str = ""
-
-
-@dataclasses.dataclass
-class Event:
-    """What a sink receives: text deltas, then one final event with ``finish_reason`` set."""
-
-    request_id: str
-    text: str = ""  # new text since the previous event
-    token_ids: list[int] = dataclasses.field(default_factory=list)  # the tokens behind it
-    log_probs: list | None = None  # per token of token_ids: (log-prob, [(id, log-prob), ...]) when asked
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
-    usage: dict | None = None  # on the final event: prompt/completion tokens, timings
-    error: str | None = None
-
-
-@dataclasses.dataclass
-class _Live:
-    """A request in the batcher: its sink, reply so far and timings."""
-
-    req: GenerationRequest
-    sink: Callable[[Event], None]
-    arrival: float
-    admitted: float = 0.0
-    first_token: float = 0.0
-    model_s: float = 0.0
-    ids: list[int] = dataclasses.field(default_factory=list)  # reply tokens (stop token excluded)
-    generated: int = 0  # tokens the engine produced for it (stop token included)
-    sent: str = ""  # text already sent
-    slot: int = -1
-    steps: int = 0
-    accepted: int = 0
-    finished: bool = False
-
-
-class Stats:
-    """Running totals for /metrics (all updated under the batcher's lock)."""
-
-    def __init__(self):
-        self.requests = {"stop": 0, "length": 0, "cancelled": 0, "error": 0}
-        self.tokens = 0
-        self.model_s = 0.0
-        self.steps = 0
-        self.slot_steps = 0  # occupied slots summed over steps
-        self.accepted = 0  # speculative: accepted draft tokens
-        self.ttft_sum = 0.0
-        self.ttft_count = 0
-        self.ttft_buckets = {b: 0 for b in (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, float("inf"))}
-        self.e2e_sum = 0.0
-        self.e2e_count = 0
-        self.rejected = 0  # 429s
-        self.overlapped = 0  # steps dispatched before the previous step's host work (see `Batcher`)
-        self.ready_early = 0  # of those, steps that had finished before they were collected
-        self.started = time.monotonic()
-
-    def observe_ttft(self, s: float) -> None:
-        self.ttft_sum += s
-        self.ttft_count += 1
-        for b in self.ttft_buckets:
-            if s <= b:
-                self.ttft_buckets[b] += 1
 
 
 class Batcher:
@@ -146,7 +72,7 @@ class Batcher:
         self.idle_wait_s = idle_wait_s
         self.stats = Stats()
         self._lock = threading.Condition()
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, Live] = {}
         self._slots: list[str | None] = [None] * engine.num_slots
         self._cancel: set[str] = set()
         self._ids = itertools.count()
@@ -183,7 +109,7 @@ class Batcher:
             except QueueFull:
                 self.stats.rejected += 1
                 raise
-            self._live[req.id] = _Live(req=req, sink=sink, arrival=now)
+            self._live[req.id] = Live(req=req, sink=sink, arrival=now)
             self._lock.notify_all()
         return req.id
 
@@ -347,14 +273,14 @@ class Batcher:
                 if self._take(live, out.tokens[slot], out.done[slot], log_probs=lps):
                     self._release(live)
 
-    def _release(self, live: _Live, stopped: bool = False) -> None:  # under the lock
+    def _release(self, live: Live, stopped: bool = False) -> None:  # under the lock
         """Free the request's slot; `stopped`: the engine reported the slot done (see `Engine.free`)."""
         if live.slot >= 0 and self._slots[live.slot] == live.req.id:
             self._state = self.engine.free(self._state, live.slot, stopped=stopped)
             self._slots[live.slot] = None
         live.slot = -1
 
-    def _take(self, live: _Live, tokens: Sequence[int], engine_done: bool,
+    def _take(self, live: Live, tokens: Sequence[int], engine_done: bool,
               from_step: bool = True, log_probs: Sequence | None = None) -> bool:  # under the lock
         """Add new tokens to a request; send text; True when the request is finished.
 
@@ -396,7 +322,7 @@ class Batcher:
         if stop_at >= 0:
             text, finish = text[:stop_at], "stop"
         elif finish is None:
-            text = text[:len(text) - _holdback(text, live.req.stop)]
+            text = text[:len(text) - holdback(text, live.req.stop)]
         delta = text[len(live.sent):] if text.startswith(live.sent) else ""
         if delta or new_lps:
             live.sent += delta
@@ -406,7 +332,7 @@ class Batcher:
             return True
         return False
 
-    def _finish(self, live: _Live, reason: str, error: str | None = None,
+    def _finish(self, live: Live, reason: str, error: str | None = None,
                 stopped: bool = False) -> None:  # under the lock
         if live.finished:
             return
@@ -433,16 +359,3 @@ class Batcher:
             live.sink(Event(request_id=live.req.id, finish_reason=reason, usage=usage, error=error))
         finally:
             self._lock.notify_all()
-
-
-def _holdback(text: str, stops: Sequence[str]) -> int:
-    """Characters at the end of `text` to hold back: a possible stop-string start or a partial character."""
-    n = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                n = max(n, k)
-                break
-    if text.endswith("\ufffd"):
-        n = max(n, len(text) - len(text.rstrip("\ufffd")))
-    return n

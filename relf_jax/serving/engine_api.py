@@ -227,7 +227,7 @@ class Engine(abc.ABC):
     def warmup(self, prompt_lengths: Sequence[int] | None = None, spans: int | None = None) -> None:
         """Compile prefill for the buckets of `prompt_lengths` (default: every power-of-two
         bucket up to half the context), and insert/generate/free, off the clock. `spans`: for an
-        engine that sizes its caches (`relf_jax.serving.engines.slots.SpanSized.warmup`)."""
+        engine that sizes its caches (`relf_jax.serving.engines.slot_engine.SlotEngine.warmup`)."""
         self.warmup_at(self.warmup_lengths(prompt_lengths))
 
     def warmup_lengths(self, prompt_lengths: Sequence[int] | None = None) -> list[int]:

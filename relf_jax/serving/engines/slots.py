@@ -1,6 +1,6 @@
 """The slot and span machinery the model engines share: a slot's sampler state (a batch of
 one, vmapped over slots), the host record of which sampling features the held slots use
-(`Held`), the KV-cache spans fitted to the occupied slots (`Spans`, `SpanSized`), stepping only
+(`Held`), the KV-cache spans fitted to the occupied slots (`Spans`; `slot_engine.SlotEngine` uses them), stepping only
 the occupied slots (`subset_slots`), several sampler steps per call (`run_steps`), and the
 per-request sampling settings as the jitted calls take them.
 
@@ -383,39 +383,3 @@ def run_steps(step, slots: Slot, n: int, width: int):
 
     _, slots, out = jax.lax.while_loop(cond, body, (jnp.int32(0), slots, jnp.zeros((n, num, width), jnp.int32)))
     return slots, jnp.moveaxis(out, 0, 1)
-
-
-class SpanSized:
-    """`insert` and the span fitting (`Spans`) shared by the AR and speculative engines, whose
-    state is a `Held` and which set ``_spans``, ``_jit_insert``, ``_jit_resize`` and `_span`."""
-
-    def insert(self, prefix, state, slot):
-        state = self._fit(state, extra=prefix.prompt_len + 1)
-        self._spans.admit(slot, prefix.prompt_len)
-        return state.insert(self._jit_insert(state.slots, prefix.data, slot), slot, prefix.features)
-
-    def _fit(self, state, extra: int = 0):
-        """`state` with its caches resized to the span the next step (or insert) needs."""
-        span = self._spans.fit(self._span(state), state.occupied, extra)
-        return state if span == self._span(state) else dataclasses.replace(state, slots=self._jit_resize(
-            state.slots, span))
-
-    def warmup(self, prompt_lengths: Sequence[int] | None = None, spans: int | None = None) -> None:
-        """`Engine.warmup` at every cache span a prompt of `prompt_lengths` can meet, or at the
-        `spans` shortest ones only (the others compile when first used)."""
-        prompt_lengths = self.warmup_lengths(prompt_lengths)
-        sizer = self._spans
-        lengths = sizer.lengths if spans is None else sizer.lengths[:max(1, spans)]
-        try:
-            for span in lengths:
-                sizer.pin = span
-                # the prompt buckets whose shortest prompt fits this span
-                self.warmup_at([n for n in prompt_lengths if shortest_in_bucket(n) + 1 + sizer.advance <= span]
-                               or [1])
-        finally:
-            sizer.pin = None
-        slots = self.init_state().slots
-        for a in lengths:  # and every change of span among them
-            for b in lengths:
-                if a != b:
-                    self._jit_resize(self._jit_resize(slots, a), b)

@@ -5,8 +5,6 @@ corpus n-gram table)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -14,15 +12,25 @@ import numpy as np
 
 from relf_jax.data.tokenizer import turn_stop_ids
 from relf_jax.errors import UserError
-from relf_jax.serving.engine_api import LOGPROBS_TOP, SAMPLING_FEATURES, Engine, Pending, RequestParams, StepOutput
-from relf_jax.serving.engines.slots import (Held, Leaves, Slot, Spans, SpanSized, bucket_for, check_steps_per_call,
-                                            collect_rows, done_at_stop_only, engine_context, first_prefix, float_bits,
-                                            free_all_slots, lp_entry, pad_one, request_knobs, request_sampling,
-                                            resize_cache, run_parked, set_slot, sparse_bias, stack_slots, step_subset,
-                                            subset_slots)
+from relf_jax.serving.engine_api import LOGPROBS_TOP, SAMPLING_FEATURES, StepOutput
+from relf_jax.serving.engines.slot_engine import SlotEngine
+from relf_jax.serving.engines.slots import (
+    Leaves,
+    Slot,
+    bucket_for,
+    check_steps_per_call,
+    done_at_stop_only,
+    engine_context,
+    float_bits,
+    lp_entry,
+    pad_one,
+    request_sampling,
+    resize_cache,
+    run_parked,
+)
 
 
-class SpeculativeEngine(SpanSized, Engine):
+class SpeculativeEngine(SlotEngine):
     """One draft/verify round per step per slot (`relf_jax.speculative.generate`'s round).
 
     rule: "standard" (exact), "nsd" (nucleus relaxation, `nsd_top_p`) or "greedy"; proposer:
@@ -66,22 +74,9 @@ class SpeculativeEngine(SpanSized, Engine):
         self.steps_per_call = check_steps_per_call(steps_per_call)
         self.tokens_per_step = (k + 1) * self.steps_per_call
         self._step_settings = self._settings(self.max_context)
-        self.compact = True  # step only the occupied slots when few are (`subset_slots`)
-        self._spans = Spans(num_slots, self.max_context, self.tokens_per_step)
         self._target_w = Leaves(lm.params)
         self._draft_w = Leaves(self.draft.params) if self.draft is not None else None
-        self._jit_step = jax.jit(self._step_all, donate_argnums=(2,), static_argnames=("features",))
-        self._jit_step_subset = jax.jit(functools.partial(step_subset, self._step_all), donate_argnums=(2,),
-                                        static_argnames=("features",))
-        self._jit_resize = jax.jit(lambda s, span: s.replace(state=s.state.replace(
-            target_cache=resize_cache(s.state.target_cache, span),
-            draft_cache=resize_cache(s.state.draft_cache, span))), static_argnums=(1,))
-        self._jit_insert = jax.jit(set_slot, donate_argnums=(0,))
-        self._jit_prefill = jax.jit(self._prefix_data, static_argnames=("settings", "features"))
-        self._jit_prefill_insert = jax.jit(self._prefill_into, donate_argnums=(2,),
-                                           static_argnames=("settings", "features"))
-        self._jit_free = jax.jit(lambda s, slot: dataclasses.replace(
-            s, state=dataclasses.replace(s.state, done=s.state.done.at[slot].set(True))), donate_argnums=(0,))
+        self.setup()
 
     def _settings(self, max_new_tokens: int):
         tok = self.tokenizer
@@ -108,11 +103,6 @@ class SpeculativeEngine(SpanSized, Engine):
     def reserve(self) -> int:
         return self.k + 1
 
-    def _request(self, p: RequestParams):
-        """The request's settings as the jitted prefills take them (host arrays; the rest static)."""
-        ids, vals = sparse_bias(p)
-        return {"seed": np.uint32(p.seed), "knobs": request_knobs(p, 0), "bias_ids": ids, "bias_vals": vals}
-
     def _spec_params(self, knobs, bias_ids, bias_vals):
         """(Traced) `SpecParams` of one request, every field present (see `request_sampling`)."""
         from relf_jax.sampling import autoregressive as ar
@@ -130,30 +120,26 @@ class SpeculativeEngine(SpanSized, Engine):
                           min_p=sp.min_p if "min_p" in features else None,
                           penalties=pen if pen.bias is not None or pen.tracks else None)
 
-    def _weight_args(self):
+    def weight_args(self) -> tuple:
         """The target's and the draft's weights as the jitted calls take them (`Leaves`; the
         n-gram table or None in the draft's place without a draft model)."""
         return self._target_w.leaves, (self._draft_w.leaves if self._draft_w is not None else self.ngram_table)
 
-    def _weights(self, target_params, draft_params):
-        """Inside a traced call: the States of what `_weight_args` passed."""
+    def _weights(self, weights):
+        """Inside a traced call: the States of what `weight_args` passed."""
+        target_params, draft_params = weights
         return (self._target_w.tree(target_params),
                 self._draft_w.tree(draft_params) if self._draft_w is not None else draft_params)
 
-    def init_state(self):
-        return free_all_slots(self, Held(stack_slots(self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data,
-                                                    self.num_slots)))
-
-    def _padded(self, prompt):
+    def padded(self, prompt):
         bucket = bucket_for(len(prompt), self.max_context - self.reserve() - 1)
         return (*pad_one(prompt, self.tokenizer.pad_id, bucket), self._settings(self.max_context - bucket - self.k - 1))
 
-    def _prefix_data(self, target_params, draft_params, prompts, lengths, seed, knobs, bias_ids, bias_vals,
-                     settings, features):
+    def prefix_data(self, weights, prompts, lengths, seed, knobs, bias_ids, bias_vals, settings, features):
         """(slot data, first token, done, its log-probs or None) of one padded prompt: traced,
         the seed's key made inside."""
         dg = self.draft.graphdef if self.draft is not None else None
-        target_params, draft_params = self._weights(target_params, draft_params)
+        target_params, draft_params = self._weights(weights)
         sp = self._spec_params(knobs, bias_ids, bias_vals)
         st, lp = self._spec.prefill_scored(self.lm.graphdef, target_params, dg, draft_params, prompts, lengths,
                                            jax.random.key(seed), self._static_params(sp, features), settings,
@@ -161,41 +147,17 @@ class SpeculativeEngine(SpanSized, Engine):
         st = done_at_stop_only(st, lengths, self.tokenizer.eos_id)
         return Slot(state=st, sampling=sp), st.tokens[0, lengths[0]], st.done[0], lp
 
-    def prefill(self, prompt, params):
-        arr, lens, settings = self._padded(prompt)
-        t0 = time.perf_counter()
-        data, first, done, lp = self._jit_prefill(*self._weight_args(), arr, lens, **self._request(params),
-                                                  settings=settings, features=params.features())
-        return first_prefix(self, params, t0, first, done, len(prompt), data=data, lp=lp)
-
-    def _span(self, state) -> int:
+    def cache_span(self, state) -> int:
         return state.slots.state.target_cache[0][0].shape[-2]
 
-    def _prefill_into(self, target_params, draft_params, slots, prompts, lengths, seed, knobs, bias_ids, bias_vals,
-                      slot, settings, features):
-        data, first, done, lp = self._prefix_data(target_params, draft_params, prompts, lengths, seed, knobs,
-                                                  bias_ids, bias_vals, settings, features)
-        return set_slot(slots, data, slot), first, done, lp
+    def resize_slots(self, slots, span: int):
+        return slots.replace(state=slots.state.replace(target_cache=resize_cache(slots.state.target_cache, span),
+                                                       draft_cache=resize_cache(slots.state.draft_cache, span)))
 
-    def prefill_insert(self, prompt, params, state, slot):
-        arr, lens, settings = self._padded(prompt)
-        state = self._fit(state, extra=len(prompt) + 1)
-        t0 = time.perf_counter()
-        slots, first, done, lp = self._jit_prefill_insert(*self._weight_args(), state.slots, arr, lens,
-                                                          **self._request(params), slot=slot, settings=settings,
-                                                          features=params.features())
-        prefix = first_prefix(self, params, t0, first, done, len(prompt), lp=lp)
-        self._spans.admit(slot, len(prompt))
-        return state.insert(slots, slot, prefix.features), prefix
-
-    def free(self, state, slot, stopped=False):
-        self._spans.free(slot)
-        return state.free(state.slots if stopped else self._jit_free(state.slots, slot), slot)
-
-    def _step_all(self, target_params, draft_params, slots: Slot, features: frozenset):
+    def step_all(self, weights, slots: Slot, features: frozenset):
         spec, settings = self._spec, self._step_settings
         dg = self.draft.graphdef if self.draft is not None else None
-        target_params, draft_params = self._weights(target_params, draft_params)
+        target_params, draft_params = self._weights(weights)
         n_lp = LOGPROBS_TOP if "logprobs" in features else 0
 
         def one(st, sp):
@@ -226,19 +188,7 @@ class SpeculativeEngine(SpanSized, Engine):
         return run_parked(round_, slots, self.steps_per_call,
                            self.k + 4 + (self.k + 1) * (1 + 2 * n_lp if n_lp else 0), features)
 
-    def dispatch(self, state):
-        t0 = time.perf_counter()
-        state = self._fit(state)
-        idx = subset_slots(state, self.num_slots) if self.compact else None
-        args = (*self._weight_args(), state.slots)
-        if idx is None:
-            slots, out = self._jit_step(*args, features=state.features)
-        else:
-            slots, out = self._jit_step_subset(*args, idx=idx, features=state.features)
-        return dataclasses.replace(state, slots=slots), Pending(out, idx, t0, time.perf_counter())
-
-    def collect(self, pending):
-        out, model_s, early = collect_rows(pending, self.num_slots)
+    def step_output(self, out, model_s, early):
         w = self.k + 1
         toks = [[t for r in row for t in r[:r[w]]] for row in out]
         lps = None
@@ -247,14 +197,6 @@ class SpeculativeEngine(SpanSized, Engine):
                 per = np.asarray(r[w + 3:], np.int32).view(np.float32).reshape(w, -1)
                 return [lp_entry(per[j]) for j in range(r[w])]
             lps = [[e for r in row for e in entries(r)] for row in out]
-        self._spans.advance_by(toks)
         return StepOutput(tokens=toks, done=[any(r[w + 1] for r in row) for row in out], model_s=model_s,
                           accepted=[sum(r[w + 2] for r in row) for row in out],
                           steps=[sum(r[w] > 0 for r in row) for row in out], ready_early=early, log_probs=lps)
-
-    def generate(self, state):
-        state, pending = self.dispatch(state)
-        return state, self.collect(pending)
-
-
-# ------------------------------------------------------------------------------ block diffusion

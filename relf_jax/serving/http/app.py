@@ -24,11 +24,22 @@ from relf_jax.serving.batching import Event, GenerationRequest, QueueFull, Serve
 from relf_jax.serving.chat_template import encode_chat
 from relf_jax.serving.http.asgi import BodyLimit, LeanRoutes, RequestTimer
 from relf_jax.serving.http.metrics import prometheus_text
-from relf_jax.serving.http.protocol import (MAX_BODY_BYTES, APIError, ChatRequest, Common, CompletionRequest,
-                                            chat_max_tokens, chat_top_logprobs, completion_prompt, dumps,
-                                            error_body, params_of, refuse_unimplemented, stops_of)
-from relf_jax.serving.http.responses import (AsciiJSON, EventStream, Last, LogProbs, Reply, failed,
-                                             finish_reason)
+from relf_jax.serving.http.protocol import (
+    MAX_BODY_BYTES,
+    APIError,
+    ChatRequest,
+    Common,
+    CompletionRequest,
+    chat_max_tokens,
+    chat_top_logprobs,
+    completion_prompt,
+    dumps,
+    error_body,
+    params_of,
+    refuse_unimplemented,
+    stops_of,
+)
+from relf_jax.serving.http.responses import AsciiJSON, EventStream, Last, LogProbs, Reply, failed, finish_reason
 from relf_jax.serving.loading import ServedEngine
 
 
@@ -240,6 +251,16 @@ class Routes:
         raise_failed(got[2])
         return JSONResponse(reply.whole(*got))
 
+    async def answer(self, request: Request, body: Common, served: ServedEngine, prompt: list[int], *, chat: bool,
+                     max_tokens: int | None, top_logprobs: int | None):
+        """The answer to a generation request whose prompt ids are `prompt` (499 when the client went away)."""
+        stops = stops_of(body)
+        reqs = [GenerationRequest(prompt=prompt, params=p, stop=stops, priority=body.priority)
+                for p in params_of(body, max_tokens, len(prompt), served.engine, top_logprobs)]
+        out = await self.respond(request, served, reqs, chat=chat, stream=body.stream,
+                                 include_usage=body.include_usage, model=body.model, top_logprobs=top_logprobs)
+        return out if out is not None else JSONResponse({}, status_code=499)
+
     async def chat_completions(self, body: ChatRequest, request: Request):
         refuse_unimplemented(body)
         served = self.pick(body)
@@ -250,12 +271,7 @@ class Routes:
                                  [m.model_dump(exclude_none=False) for m in body.messages])
         except UserError as e:
             raise APIError(400, str(e), param="messages") from e
-        stops = stops_of(body)
-        reqs = [GenerationRequest(prompt=prompt, params=p, stop=stops, priority=body.priority)
-                for p in params_of(body, max_tokens, len(prompt), served.engine, top)]
-        out = await self.respond(request, served, reqs, chat=True, stream=body.stream,
-                                 include_usage=body.include_usage, model=body.model, top_logprobs=top)
-        return out if out is not None else JSONResponse({}, status_code=499)
+        return await self.answer(request, body, served, prompt, chat=True, max_tokens=max_tokens, top_logprobs=top)
 
     async def completions(self, body: CompletionRequest, request: Request):
         refuse_unimplemented(body)
@@ -265,12 +281,8 @@ class Routes:
             ids = encode_prompt(served.engine.tokenizer, prompt)
         except UserError as e:
             raise APIError(400, str(e), param="prompt") from e
-        stops = stops_of(body)
-        reqs = [GenerationRequest(prompt=ids, params=p, stop=stops, priority=body.priority)
-                for p in params_of(body, body.max_tokens, len(ids), served.engine, body.logprobs)]
-        out = await self.respond(request, served, reqs, chat=False, stream=body.stream,
-                                 include_usage=body.include_usage, model=body.model, top_logprobs=body.logprobs)
-        return out if out is not None else JSONResponse({}, status_code=499)
+        return await self.answer(request, body, served, ids, chat=False, max_tokens=body.max_tokens,
+                                 top_logprobs=body.logprobs)
 
     async def list_models(self):
         return {"object": "list", "data": [

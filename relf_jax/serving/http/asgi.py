@@ -11,6 +11,7 @@ from starlette.requests import Request
 
 from relf_jax.serving.http.protocol import MAX_BODY_BYTES, APIError, error_body
 
+
 class BodyLimit:
     """ASGI middleware: 413 for a request body over `limit` bytes (declared or streamed)."""
 
