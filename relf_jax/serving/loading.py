@@ -137,11 +137,14 @@ class ServedEngine:
     settings: dict  # the engine's fixed settings a request may name (k, nfe)
 
 
-def build_models(workdir: str | None, generators: list[str], *, model_name: str | None = None, slots: int = 8,
+def build_models(workdir: str | None, generators: list, *, model_name: str | None = None, slots: int = 8,
                  max_queue: int = 256, policy: str = "fcfs", aging: float = 0.05, template: ChatTemplate | None = None,
                  cost_fn=None, mock: bool = False, mock_step_s: float = 0.0, warmup: bool = True,
                  overlap: bool | None = None, **engine_kw) -> dict[str, list[ServedEngine]]:
     """Engines + batchers for `relf-jax serve`: one model id with one engine per generator.
+
+    generators: method objects (`relf_jax.methods`; `engine_kw` then takes `engine_for`'s
+    top_k, steps_per_call, max_context) or the CLI's generator names (`load_engine`'s keywords).
 
     policy: "fcfs", "sjf" (shortest predicted DWS cost first, with `aging` cost-seconds per
     second waited; needs `cost_fn`, e.g. `relf_jax.dws.predictor.WorkloadCost`) or "priority"
@@ -175,7 +178,11 @@ def build_models(workdir: str | None, generators: list[str], *, model_name: str 
         else:
             if not workdir:
                 raise UserError("serve needs --model (a HuggingFace folder or a run directory), --workdir or --mock")
-            engine = load_engine(workdir, gen, slots=slots, **engine_kw)
+            if isinstance(gen, str):
+                engine = load_engine(workdir, gen, slots=slots, **engine_kw)
+            else:  # a method object: the engine's own settings come with it
+                engine = engine_for(workdir, gen, slots=slots, **engine_kw)
+                gen = methods.generator_name(gen)
         if warmup:  # compile every program the engine can run while serving (`Engine.warmup`)
             t0 = time.perf_counter()
             print(f"[serve] compiling the {gen} engine (a first start on CPU can take a minute; with "
