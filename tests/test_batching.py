@@ -232,9 +232,10 @@ def test_overlapped_steps_give_every_request_the_same_tokens():
             assert reason == "stop" and r.stop[0] not in text
 
 
-def test_collect_counts_host_work_as_model_time_only_while_the_step_ran():
+def test_collect_counts_host_work_as_model_time_only_while_the_step_ran(monkeypatch):
     """`Pending`'s timing rule: a step still running when collected is model time from its
-    dispatch; one already finished counts only its dispatch and copy."""
+    dispatch; one already finished counts only its dispatch and copy. On a fake clock (each
+    reading 0.5 s after the last), so the sums are exact."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -248,9 +249,17 @@ def test_collect_counts_host_work_as_model_time_only_while_the_step_ran():
         def __array__(self, dtype=None, copy=None):
             return np.zeros((1, 1, 3), np.int32)
 
-    now = time.perf_counter()
-    rows, model_s, early = collect_rows(Pending(Running(), None, now - 5.0, now - 4.99), 1)
-    assert rows == [[[0, 0, 0]]] and not early and model_s >= 5.0
     done = jnp.zeros((1, 1, 3), jnp.int32).block_until_ready()
-    rows, model_s, early = collect_rows(Pending(done, None, now - 5.0, now - 4.99), 1)
-    assert early and 0.01 <= model_s < 1.0
+    readings = []
+
+    def clock():
+        readings.append(100.0 + 0.5 * len(readings))
+        return readings[-1]
+
+    monkeypatch.setattr(time, "perf_counter", clock)
+    rows, model_s, early = collect_rows(Pending(Running(), None, 10.0, 10.25), 1)
+    assert rows == [[[0, 0, 0]]] and not early and model_s == readings[-1] - 10.0  # from the dispatch on
+    readings.clear()
+    rows, model_s, early = collect_rows(Pending(done, None, 10.0, 10.25), 1)
+    assert rows == [[[0, 0, 0]]] and early
+    assert model_s == 0.25 + (readings[-1] - readings[0])  # the dispatch and the copy only
