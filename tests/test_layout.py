@@ -220,13 +220,11 @@ def test_no_import_cycle_at_module_level():
     assert cycles == [], cycles
 
 
-@pytest.mark.xfail(strict=False, reason="issue 37: the new API layer and the recipes import each other in functions")
 def test_no_import_cycle_even_through_function_level_imports():
     cycles = _cycles(_import_graph(top_level_only=False))
     assert cycles == [], cycles
 
 
-@pytest.mark.xfail(strict=False, reason="issue 37: engines still call dws.decoding's private helpers (mid-refactor)")
 def test_no_private_name_crosses_a_module_boundary_in_the_library():
     bad = _private_crossings(MODULES)
     assert bad == [], "\n".join(bad)
