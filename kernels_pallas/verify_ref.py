@@ -180,6 +180,15 @@ def emit(p_n: jax.Array, residual_n: jax.Array, num: jax.Array, k: int, residual
     return race(chosen, exponentials)
 
 
+def _distributions(target_logits, draft_logits, temperature, top_k, top_p, log_probs_fn):
+    """(p, q) float32: the target's and the draft's logits through the same transform
+    (`log_probs_fn`, default `ref_log_probs`), exponentiated."""
+    log_probs_fn = ref_log_probs if log_probs_fn is None else log_probs_fn
+    p = jnp.exp(log_probs_fn(target_logits.astype(jnp.float32), temperature, top_k, top_p))
+    q = jnp.exp(log_probs_fn(draft_logits.astype(jnp.float32), temperature, top_k, top_p))
+    return p, q
+
+
 def ref_verify(target_logits: jax.Array, draft_logits: jax.Array, draft_tokens: jax.Array,
                uniforms: jax.Array, exponentials: jax.Array, *, rule: str = "standard",
                temperature=1.0, top_k: int = 0, top_p=1.0, nsd_top_p=0.9, residual_floor=1e-8,
@@ -202,13 +211,10 @@ def ref_verify(target_logits: jax.Array, draft_logits: jax.Array, draft_tokens: 
     """
     _, k, _ = validate_inputs(target_logits, draft_logits, draft_tokens, uniforms, exponentials,
                               rule=rule)
-    log_probs_fn = ref_log_probs if log_probs_fn is None else log_probs_fn
-    target = target_logits.astype(jnp.float32)
     tokens = draft_tokens.astype(jnp.int32)
     if rule == "greedy":
-        return greedy_verify(target, tokens)
-    p = jnp.exp(log_probs_fn(target, temperature, top_k, top_p))  # [B, K+1, V]
-    q = jnp.exp(log_probs_fn(draft_logits.astype(jnp.float32), temperature, top_k, top_p))  # [B, K, V]
+        return greedy_verify(target_logits.astype(jnp.float32), tokens)
+    p, q = _distributions(target_logits, draft_logits, temperature, top_k, top_p, log_probs_fn)  # [B, K(+1), V]
     p_draft = p[:, :k]
     p_x = jnp.take_along_axis(p_draft, tokens[..., None], axis=-1)[..., 0]
     q_x = jnp.take_along_axis(q, tokens[..., None], axis=-1)[..., 0]
@@ -238,13 +244,10 @@ def ref_verify_sparse(target_logits: jax.Array, cand_ids: jax.Array, cand_logits
         raise ValueError(f"verify_sparse: rule {rule!r}, target {target_logits.shape}, drafts {draft_tokens.shape}, "
                          f"candidates {cand_ids.shape} / {cand_logits.shape}")
     _validate_noise(uniforms, exponentials, b, k, v)
-    log_probs_fn = ref_log_probs if log_probs_fn is None else log_probs_fn
-    target = target_logits.astype(jnp.float32)
     x = draft_tokens.astype(jnp.int32)
     if rule == "greedy":
-        return greedy_verify(target, x)
-    p = jnp.exp(log_probs_fn(target, temperature, top_k, top_p))  # [B, K+1, V]
-    q = jnp.exp(log_probs_fn(cand_logits.astype(jnp.float32), temperature, top_k, top_p))  # [B, K, M]
+        return greedy_verify(target_logits.astype(jnp.float32), x)
+    p, q = _distributions(target_logits, cand_logits, temperature, top_k, top_p, log_probs_fn)  # q: [B, K, M]
     ids = cand_ids.astype(jnp.int32)
     p_draft = p[:, :k]
     p_x = jnp.take_along_axis(p_draft, x[..., None], axis=-1)[..., 0]

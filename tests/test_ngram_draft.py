@@ -12,6 +12,7 @@ from relf_jax.errors import UserError
 from relf_jax.sampling import autoregressive as ar
 from relf_jax.speculative import generate as spec
 from relf_jax.speculative.ngram_draft import NgramDraft, build_ngram_draft, next_logits
+from relf_jax.speculative.proposers import ngram_table
 
 
 def _probs(table, context, valid):
@@ -113,8 +114,8 @@ def test_sparse_and_scattered_verification_give_the_same_replies(tiny_model, tin
     for sparse in (True, False):
         if not sparse:  # as where the kernel runs (use_kernel=False: another compiled program, same verifier)
             monkeypatch.setattr(spec, "sparse_verify", lambda settings: False)
-            propose = spec._propose_ngram
-            monkeypatch.setattr(spec, "_propose_ngram", lambda *a: scattered.append(1) or propose(*a))
+            propose = ngram_table.propose
+            monkeypatch.setattr(ngram_table, "propose", lambda *a: scattered.append(1) or propose(*a))
         for rule, temperature in (("nsd", 1.0), ("standard", 1.0)):
             settings = spec.SpecSettings(k=3, rule=rule, proposer="corpus_ngram", max_new_tokens=24, eos_id=-1,
                                          use_kernel=None if sparse else False)
@@ -185,14 +186,14 @@ def test_drafts_follow_the_transformed_draft_logits():
         sp = spec.SpecParams.make(temperature, top_p, 0.9)
         settings = spec.SpecSettings(k=2, rule="standard", proposer="corpus_ngram", max_new_tokens=4, eos_id=-1)
         draw = jax.jit(jax.vmap(
-            lambda key, sp=sp, settings=settings: spec._propose_ngram(table, state, sp, settings, key)))
+            lambda key, sp=sp, settings=settings: ngram_table.propose(table, state, sp, settings, key)))
         toks, logits = draw(jax.random.split(jax.random.key(1), n))
         q = np.exp(np.asarray(processors.log_probs(logits[0, 0, 0], temperature, 0, top_p)), dtype=np.float64)
         freq = np.bincount(np.asarray(toks[:, 0, 0]), minlength=8) / n
         se = np.sqrt(q * (1 - q) / n) + 1e-12
         assert np.all(np.abs(freq - q) <= 5 * se + 1e-9), (temperature, top_p, freq, q)
         assert q[3] > 0.2 and q[4] > 0.2  # the context (1, 2): 3 and 4 each seen twice
-    greedy = spec._propose_ngram(table, state, spec.SpecParams.make(0.0, 1.0, 0.9),
+    greedy = ngram_table.propose(table, state, spec.SpecParams.make(0.0, 1.0, 0.9),
                                  spec.SpecSettings(k=1, rule="greedy", proposer="corpus_ngram", max_new_tokens=4,
                                                    eos_id=-1), jax.random.key(0))[0]
     assert int(greedy[0, 0]) == 3  # 3 and 4 tie at two counts each: the lower id, as argmax over V

@@ -114,13 +114,13 @@ def test_sample_histogram_wide_vocabulary_per_row_settings():
 def test_generate_compiles_once_and_stream_matches(tiny_model):
     graphdef, params = tiny_model
     settings = ar.DecodeSettings(max_new_tokens=10, eos_id=1)
-    before = ar._generate._cache_size()
+    before = ar.generate_jit._cache_size()
     prompts, lens = ar.pad_prompts([[2, 5, 6], [2, 7, 8, 9, 10]])
     s1 = ar.generate(graphdef, params, prompts, lens, jax.random.key(0), ar.SamplingParams.make(1.0), settings)
     # other prompts in the same bucket, other sampling knobs: no recompilation
     prompts2, lens2 = ar.pad_prompts([[2, 9], [2, 3, 4, 5, 6, 7, 8]])
     ar.generate(graphdef, params, prompts2, lens2, jax.random.key(1), ar.SamplingParams.make(0.5, 5, 0.9), settings)
-    assert ar._generate._cache_size() - before == 1
+    assert ar.generate_jit._cache_size() - before == 1
     streamed = [tok for tok, _ in ar.stream(graphdef, params, prompts, lens, jax.random.key(0),
                                             ar.SamplingParams.make(1.0), settings)]
     out = np.stack(streamed, 1)

@@ -69,12 +69,12 @@ def test_compiles_once_per_shape(tiny_model, draft_model):
     tg, tp = tiny_model
     dg, dp = draft_model
     settings = spec.SpecSettings(k=2, rule="nsd", max_new_tokens=6, eos_id=-1)
-    before = spec._generate._cache_size()
+    before = spec.generate_jit._cache_size()
     for seed, prompts in enumerate(([[2, 5], [2, 6, 7]], [[2, 8, 9, 10], [2, 11]])):
         arr, lens = ar.pad_prompts(prompts)
         spec.generate(tg, tp, arr, lens, jax.random.key(seed), spec.SpecParams.make(0.5 + seed, 0.9, 0.8),
                       settings, draft_graphdef=dg, draft_params=dp)
-    assert spec._generate._cache_size() - before == 1
+    assert spec.generate_jit._cache_size() - before == 1
 
 
 def test_eos_stops_rows(tiny_model, draft_model):

@@ -140,7 +140,9 @@ def step(graphdef, params, state: DecodeState, sampling: SamplingParams, setting
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
-def _generate(graphdef, params, prompts, prompt_lengths, key, sampling, settings):
+def generate_jit(graphdef, params, prompts, prompt_lengths, key, sampling, settings):
+    """The jitted prefill + ``lax.while_loop`` of steps behind `generate` (settings as given, no
+    penalty switch): one compilation per (graphdef, settings, shapes)."""
     state = prefill(graphdef, params, prompts, prompt_lengths, key, sampling, settings)
     return jax.lax.while_loop(
         lambda s: (s.step < settings.max_new_tokens) & ~jnp.all(s.done),
@@ -169,7 +171,7 @@ def generate(graphdef, params, prompts: jax.Array, prompt_lengths: jax.Array, ke
     ``settings.track_tokens``.
     """
     settings = _tracking(sampling, settings)
-    return _generate(graphdef, params, prompts, prompt_lengths, key, sampling, settings)
+    return generate_jit(graphdef, params, prompts, prompt_lengths, key, sampling, settings)
 
 
 def stream(graphdef, params, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array,

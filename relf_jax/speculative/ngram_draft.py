@@ -4,13 +4,14 @@
 the traffic served: `relf_jax.speculative.recipes.corpus_ngram_table`, `OnlineNgram`), which token follows each
 context of c = 1 .. order - 1 tokens, keeps each context's `top_m` most frequent next tokens
 (contexts seen fewer than `min_count` times are dropped), and stores them as sorted tables.
-`propose` drafts K tokens on device: at each step it looks up the longest context that the
-table knows (one gather in a direct-address index where the V ** c contexts of that length
-fit, else a binary search on hashed keys), builds that context's distribution q over the
-vocabulary (the kept counts, normalised; every other token has probability 0) and samples
-from it after the same temperature / top-k / top-p transform the target gets. The verifier
-receives q as the draft's logits, so the standard rule stays exact: q is a distribution like
-any draft model's, only cheaper (a few gathers instead of K forward passes).
+The proposer (`relf_jax.speculative.proposers.ngram_table`) drafts K tokens on device: at each
+step it looks up the longest context that the table knows (one gather in a direct-address index
+where the V ** c contexts of that length fit, else a binary search on hashed keys), builds that
+context's distribution q over the vocabulary (the kept counts, normalised; every other token has
+probability 0) and samples from it after the same temperature / top-k / top-p transform the
+target gets. The verifier receives q as the draft's logits, so the standard rule stays exact: q
+is a distribution like any draft model's, only cheaper (a few gathers instead of K forward
+passes).
 
 Fixed shapes: with `capacity`, every context length keeps exactly that many rows (the most
 frequent contexts; empty rows pad the rest and never match), so a table rebuilt from new text
