@@ -106,7 +106,7 @@ def test_sparse_counts_and_the_matrix_free_hellinger_operator():
         m = emb.hellinger_rows(dense, smoothing=1e-2)
         if center:
             m = m - m.mean(axis=0, keepdims=True)
-        op = emb._HellingerOperator(sparse, 1e-2, center)
+        op = emb.HellingerOperator(sparse, 1e-2, center)
         np.testing.assert_allclose(op.matvec(x), m @ x, atol=1e-12)
         np.testing.assert_allclose(op.rmatvec(x), m.T @ x, atol=1e-12)
 
@@ -115,7 +115,7 @@ def test_randomized_hellinger_svd_matches_the_dense_one():
     counts = emb.cooccurrence_sparse(_corpus(seed=3, rows=300), 24)
     m = emb.hellinger_rows(counts.toarray(), smoothing=1e-3)
     u, s, _ = np.linalg.svd(m)
-    ur, sr = emb.randomized_svd_components(emb._HellingerOperator(counts, 1e-3, False), 6)
+    ur, sr = emb.randomized_svd_components(emb.HellingerOperator(counts, 1e-3, False), 6)
     np.testing.assert_allclose(sr, s[:6], rtol=1e-6)
     # same top-6 subspace (the components themselves may differ by sign)
     np.testing.assert_allclose(ur @ ur.T, u[:, :6] @ u[:, :6].T, atol=1e-6)

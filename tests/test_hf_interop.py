@@ -20,7 +20,7 @@ WORDS = "hello there how are you today i am fine thanks the weather is nice , . 
 SPECIALS = ["<pad>", "</s>", "<s>", "<unk>"]
 
 
-def _word_tokenizer(vocab_size):
+def word_tokenizer(vocab_size):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -33,7 +33,7 @@ def _word_tokenizer(vocab_size):
                                    unk_token="<unk>")
 
 
-def _save(tmp_path, name, model_cls, config, shard=False):
+def save_hf_folder(tmp_path, name, model_cls, config, shard=False):
     torch.manual_seed(0)
     model = model_cls(config).eval()
     with torch.no_grad():  # random norms and biases, so a missed weight shows in the logits
@@ -42,7 +42,7 @@ def _save(tmp_path, name, model_cls, config, shard=False):
                 p.add_(0.3 * torch.randn_like(p))
     path = str(tmp_path / name)
     model.save_pretrained(path, max_shard_size="30KB" if shard else "1GB")
-    _word_tokenizer(config.vocab_size).save_pretrained(path)
+    word_tokenizer(config.vocab_size).save_pretrained(path)
     return path, model
 
 
@@ -52,7 +52,7 @@ def llama_dir(tmp_path_factory):
                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                                    rms_norm_eps=1e-5, rope_theta=5000.0, max_position_embeddings=64,
                                    bos_token_id=2, eos_token_id=1, pad_token_id=0)
-    return _save(tmp_path_factory.mktemp("hf"), "llama", transformers.LlamaForCausalLM, cfg, shard=True)
+    return save_hf_folder(tmp_path_factory.mktemp("hf"), "llama", transformers.LlamaForCausalLM, cfg, shard=True)
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +60,13 @@ def qwen_dir(tmp_path_factory):
     cfg = transformers.Qwen2Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
                                    max_position_embeddings=64, bos_token_id=2, eos_token_id=1, pad_token_id=0)
-    return _save(tmp_path_factory.mktemp("hf"), "qwen2", transformers.Qwen2ForCausalLM, cfg)
+    return save_hf_folder(tmp_path_factory.mktemp("hf"), "qwen2", transformers.Qwen2ForCausalLM, cfg)
 
 
 PROMPTS = np.array([[2, 5, 9, 13, 17, 21, 8, 30], [2, 40, 41, 12, 6, 6, 7, 50], [2, 33, 4, 19, 27, 11, 60, 9]])
 
 
-def _ours_logits(lm, tokens):
+def ours_logits(lm, tokens):
     from flax import nnx
 
     model = nnx.merge(lm.graphdef, lm.params)
@@ -74,12 +74,12 @@ def _ours_logits(lm, tokens):
     return np.asarray(logits)
 
 
-def _hf_logits(model, tokens):
+def hf_logits(model, tokens):
     with torch.no_grad():
         return model(torch.tensor(tokens)).logits.float().numpy()
 
 
-def _greedy_ours(lm, tokens, n):
+def greedy_ours(lm, tokens, n):
     prompts, lens = ar.pad_prompts([list(r) for r in tokens], pad_id=lm.tokenizer.pad_id)
     state = ar.generate(lm.graphdef, lm.params, prompts, lens, jax.random.key(0), ar.SamplingParams.make(0.0),
                         ar.DecodeSettings(max_new_tokens=n, eos_id=-1, pad_id=lm.tokenizer.pad_id))
@@ -87,7 +87,7 @@ def _greedy_ours(lm, tokens, n):
     return toks[:, tokens.shape[1]:tokens.shape[1] + n]
 
 
-def _greedy_hf(model, tokens, n):
+def greedy_hf(model, tokens, n):
     with torch.no_grad():
         out = model.generate(torch.tensor(tokens), do_sample=False, max_new_tokens=n, min_new_tokens=n,
                              eos_token_id=None, pad_token_id=0)
@@ -100,8 +100,8 @@ def test_import_logits_and_greedy_match_transformers(which, llama_dir, qwen_dir)
     lm = hf.from_hf(path)
     assert lm.model_cfg.qkv_bias == (which == "qwen2")
     assert lm.model_cfg.tie_embeddings == (which == "qwen2")
-    np.testing.assert_allclose(_ours_logits(lm, PROMPTS), _hf_logits(model, PROMPTS), atol=1e-4, rtol=0)
-    np.testing.assert_array_equal(_greedy_ours(lm, PROMPTS, 12), _greedy_hf(model, PROMPTS, 12))
+    np.testing.assert_allclose(ours_logits(lm, PROMPTS), hf_logits(model, PROMPTS), atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(greedy_ours(lm, PROMPTS, 12), greedy_hf(model, PROMPTS, 12))
     assert lm.tokenizer.encode("hello there , how are you") == [4, 5, 18, 6, 7, 8]
     assert (lm.tokenizer.bos_id, lm.tokenizer.eos_id, lm.tokenizer.pad_id) == (2, 1, 0)
 
@@ -128,7 +128,7 @@ def test_export_hf_round_trip_of_a_relf_jax_model(tmp_path, tiny_model, tiny_mod
     out = hf.export_hf(lm, str(tmp_path / "exported"), check_texts=texts[:50])
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tokens = np.array([[tok.bos_id] + tok.encode(t)[:10] for t in texts[:3]])
-    np.testing.assert_allclose(_hf_logits(model, tokens), _ours_logits(lm, tokens), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(hf_logits(model, tokens), ours_logits(lm, tokens), atol=1e-4, rtol=0)
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     for t in texts[:20] + ["<user> how is the weather ? <assistant> fine"]:
         assert hf_tok(t, add_special_tokens=False).input_ids == tok.encode(t)
@@ -138,7 +138,7 @@ def test_export_hf_round_trip_of_a_relf_jax_model(tmp_path, tiny_model, tiny_mod
     assert hf_tok(texts[2]).input_ids == encode_prompt(tok, texts[2])  # the BOS relf_jax's prompts start with
     # and back in: HF -> relf_jax gives the same logits
     back = hf.from_hf(out)
-    np.testing.assert_allclose(_ours_logits(back, tokens), _ours_logits(lm, tokens), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(ours_logits(back, tokens), ours_logits(lm, tokens), atol=1e-4, rtol=0)
     assert back.tokenizer.add_bos and back.tokenizer.eos_ids == (tok.eos_id,)
     assert back.tokenizer.encode(texts[3]) == tok.encode(texts[3])
     # a directory with only a SentencePiece tokenizer.model (as many Llama checkpoints ship)

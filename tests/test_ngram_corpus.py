@@ -86,12 +86,12 @@ def test_imported_model_without_a_corpus_is_a_clear_error(tmp_path):
 def test_serve_an_imported_folder_with_corpus_ngram_needs_a_corpus(tmp_path):
     """`load_engine` on a HuggingFace folder: no corpus is an error; a file or "online" works."""
     transformers = pytest.importorskip("transformers")
-    from tests.test_hf_interop import _save
+    from tests.test_hf_interop import save_hf_folder
 
     cfg = transformers.LlamaConfig(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
                                    bos_token_id=2, eos_token_id=1, pad_token_id=0)
-    path, _ = _save(tmp_path, "llama", transformers.LlamaForCausalLM, cfg)
+    path, _ = save_hf_folder(tmp_path, "llama", transformers.LlamaForCausalLM, cfg)
     with pytest.raises(UserError, match="imported"):
         load_engine(path, "standard", proposer="corpus_ngram")
     with pytest.raises(UserError, match="needs a draft model"):  # the default proposer, no <folder>/draft
@@ -219,12 +219,12 @@ def test_live_server_on_an_imported_folder_counts_its_traffic(tmp_path):
     openai = pytest.importorskip("openai")
     from relf_jax.serving.loading import build_models
     from tests._serving import live_server
-    from tests.test_hf_interop import _save
+    from tests.test_hf_interop import save_hf_folder
 
     cfg = transformers.LlamaConfig(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
                                    bos_token_id=2, eos_token_id=1, pad_token_id=0)
-    path, _ = _save(tmp_path, "llama", transformers.LlamaForCausalLM, cfg)
+    path, _ = save_hf_folder(tmp_path, "llama", transformers.LlamaForCausalLM, cfg)
     models = build_models(path, ["standard"], model_name="m", slots=2, warmup=False, proposer="corpus_ngram",
                           ngram_corpus=["online"], ngram_online_tokens=256)
     engine = models["m"][0].engine

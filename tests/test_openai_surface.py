@@ -19,9 +19,9 @@ V = 61
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
     """A random tiny Qwen2 checkpoint with a word-level tokenizer, saved as an HF folder."""
-    from tests.test_hf_interop import _word_tokenizer
+    from tests.test_hf_interop import word_tokenizer
 
-    tokenizer = _word_tokenizer(V)
+    tokenizer = word_tokenizer(V)
     cfg = transformers.Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
                                    max_position_embeddings=64, bos_token_id=2, eos_token_id=1, pad_token_id=0)

@@ -17,7 +17,7 @@ from relf_jax.config import ConfigError, ModelConfig  # noqa: E402
 from relf_jax.errors import UserError  # noqa: E402
 from relf_jax.export import hf  # noqa: E402
 from relf_jax.models.layers import Rope, rope_inv_freq  # noqa: E402
-from tests.test_hf_interop import _greedy_hf, _greedy_ours, _hf_logits, _ours_logits, _save  # noqa: E402
+from tests.test_hf_interop import greedy_hf, greedy_ours, hf_logits, ours_logits, save_hf_folder  # noqa: E402
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}
@@ -86,7 +86,7 @@ def test_inv_freq_equals_transformers_rope_init(kind, dim):
 @pytest.fixture(scope="module", params=sorted(SCALINGS))
 def scaled_dir(request, tmp_path_factory):
     kind = request.param
-    path, model = _save(tmp_path_factory.mktemp("rope"), kind, transformers.LlamaForCausalLM, _hf_config(kind))
+    path, model = save_hf_folder(tmp_path_factory.mktemp("rope"), kind, transformers.LlamaForCausalLM, _hf_config(kind))
     return kind, path, model
 
 
@@ -98,8 +98,8 @@ def test_scaled_import_matches_transformers_past_the_original_context(scaled_dir
     assert mc.rope_original_max_len == (0 if kind == "linear" else 16) and mc.max_seq_len == 64
     tokens = np.random.default_rng(0).integers(3, 61, size=(2, 48))
     tokens[:, 0] = 2
-    ours = _ours_logits(lm, tokens)
-    np.testing.assert_allclose(ours, _hf_logits(model, tokens), atol=1e-5, rtol=0)  # measured 1.2e-7
+    ours = ours_logits(lm, tokens)
+    np.testing.assert_allclose(ours, hf_logits(model, tokens), atol=1e-5, rtol=0)  # measured 1.2e-7
     # and the scaling matters at this length: plain RoPE would miss by 5x the tolerance or more
     import dataclasses
 
@@ -125,8 +125,8 @@ def test_scaled_greedy_generation_equals_transformers(scaled_dir):
     prompts = np.random.default_rng(1).integers(3, 61, size=(2, 20))
     prompts[:, 0] = 2
     n = 24
-    theirs = np.concatenate([_greedy_hf(model, prompts[i:i + 1], n) for i in range(2)])
-    np.testing.assert_array_equal(_greedy_ours(lm, prompts, n), theirs)
+    theirs = np.concatenate([greedy_hf(model, prompts[i:i + 1], n) for i in range(2)])
+    np.testing.assert_array_equal(greedy_ours(lm, prompts, n), theirs)
 
 
 def test_speculative_verify_uses_the_same_rope_as_ar(scaled_dir):
@@ -147,7 +147,7 @@ def test_speculative_verify_uses_the_same_rope_as_ar(scaled_dir):
     st = spec.generate(lm.graphdef, lm.params, arr, lens, jax.random.key(0), spec.SpecParams.make(0.0, 1.0, 0.9),
                        settings)
     got = np.asarray(st.tokens)[:, 20:40]
-    np.testing.assert_array_equal(got, _greedy_ours(lm, prompts, 20))
+    np.testing.assert_array_equal(got, greedy_ours(lm, prompts, 20))
 
 
 def test_export_writes_the_scaling_back(scaled_dir, tmp_path):
@@ -163,7 +163,7 @@ def test_export_writes_the_scaling_back(scaled_dir, tmp_path):
     # fresh models both (transformers' dynamic rope keeps the longest length it has seen)
     again, orig = (transformers.LlamaForCausalLM.from_pretrained(p).eval() for p in (out, path))
     tokens = np.random.default_rng(2).integers(3, 61, size=(1, 40))
-    np.testing.assert_allclose(_hf_logits(again, tokens), _hf_logits(orig, tokens), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(hf_logits(again, tokens), hf_logits(orig, tokens), atol=1e-5, rtol=0)
 
 
 def test_rope_config_spellings_and_refusals():
@@ -222,13 +222,13 @@ def test_jax_export_steps_use_the_scaled_rope(scaled_dir):
     padded[:, :20] = prompt  # padded past the prompt: the prefill's rope length is still 20
     logits, cache = prefill(params, jnp.asarray(padded), jnp.asarray([20], jnp.int32))
     fresh = transformers.LlamaForCausalLM.from_pretrained(path).eval()
-    np.testing.assert_allclose(np.asarray(logits)[0], _hf_logits(fresh, prompt)[0, -1], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(logits)[0], hf_logits(fresh, prompt)[0, -1], atol=1e-5, rtol=0)
     got = []
     for pos in range(20, 36):
         tok = int(np.argmax(np.asarray(logits)[0]))
         got.append(tok)
         logits, cache = decode(params, jnp.asarray([tok], jnp.int32), jnp.asarray([pos], jnp.int32), cache)
-    assert got == list(_greedy_hf(model, prompt, 16)[0])
+    assert got == list(greedy_hf(model, prompt, 16)[0])
 
 
 def test_rope_scaling_is_for_the_decoder_families():

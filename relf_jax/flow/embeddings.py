@@ -129,7 +129,7 @@ def cooccurrence_sparse(
     return counts
 
 
-class _HellingerOperator:
+class HellingerOperator:
     """M = sqrt(rownorm(C + smoothing)) (optionally column-centred) as products, never stored.
 
     With r_i = sum_j C_ij + V * smoothing and u_i = sqrt(smoothing / r_i), every entry of row i
@@ -207,7 +207,7 @@ def hellinger_svd_embeddings(
 
     method "dense": exact SVD, O(V^2) memory and O(V^3) time (fine up to a few thousand
     tokens). "randomized": `randomized_svd_components` on M applied as sparse products
-    (`_HellingerOperator`), O(nnz(C) + V d) memory: the one for 32k vocabularies. "auto":
+    (`HellingerOperator`), O(nnz(C) + V d) memory: the one for 32k vocabularies. "auto":
     dense up to `DENSE_SVD_MAX_VOCAB` tokens, else randomized.
     Components with tied singular values are only determined up to a rotation.
     """
@@ -224,7 +224,7 @@ def hellinger_svd_embeddings(
         u, s, _ = np.linalg.svd(m, full_matrices=False)
         u, s = u[:, :dim], s[:dim]
     elif method == "randomized":
-        u, s = randomized_svd_components(_HellingerOperator(counts, smoothing, center), dim, seed=seed)
+        u, s = randomized_svd_components(HellingerOperator(counts, smoothing, center), dim, seed=seed)
     else:
         raise ValueError(f"method must be 'auto', 'dense' or 'randomized', got {method!r}")
     components = u * np.sqrt(vocab_size) if whiten else u * s
