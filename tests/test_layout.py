@@ -6,8 +6,6 @@ import ast
 import pathlib
 import sys
 
-import pytest
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("relf_jax", "kernels_pallas", "experiments")
 
@@ -230,7 +228,6 @@ def test_no_private_name_crosses_a_module_boundary_in_the_library():
     assert bad == [], "\n".join(bad)
 
 
-@pytest.mark.xfail(strict=False, reason="issue 37: tests still pin private functions (mid-refactor)")
 def test_no_private_name_crosses_a_module_boundary_in_the_tests():
     bad = _private_crossings(TESTS)
     assert bad == [], "\n".join(bad)
