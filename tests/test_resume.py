@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 150
+STEPS = 80
 
 
 def _cmd(workdir):
     return [sys.executable, "-m", "experiments.launch", "train", "--preset", "tiny", "--workdir", workdir,
-            "data.source=chatterbot", f"train.steps={STEPS}", "train.checkpoint_every=25", "train.eval_every=50",
+            "data.source=chatterbot", f"train.steps={STEPS}", "train.checkpoint_every=10", "train.eval_every=40",
             "train.progress=false", "train.keep_checkpoints=10"]
 
 
@@ -43,7 +43,7 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
     proc = subprocess.Popen(_cmd(killed), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
-        if any(s >= 50 for s in _committed_steps(killed)):
+        if any(s >= 20 for s in _committed_steps(killed)):
             proc.send_signal(signal.SIGKILL)
             break
         time.sleep(0.01)
