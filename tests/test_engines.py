@@ -260,7 +260,7 @@ def test_cache_span_grows_and_shrinks_with_the_occupied_slots_not_the_tokens(mon
     for eng in (E.AREngine(lm, 2, steps_per_call=2), E.SpeculativeEngine(lm, draft, 2, rule="nsd", k=2)):
         assert eng.spans.lengths == (16, 32, 64)
         eng.warmup([6], spans=1)  # the shortest span only (as `ChatModel` does); the rest compile when used
-        assert eng.spans.pin is None and not any(eng.spans.ends)
+        assert eng.spans.pin is None and not any(eng.init_state().ends)
         state, pre = eng.prefill_insert(PROMPTS[1], pa, eng.init_state(), 0)  # 6 prompt tokens
         out, spans = {0: list(pre.tokens)}, [eng.cache_span(state)]
         for _ in range(40):  # A alone, past what 32 slots hold

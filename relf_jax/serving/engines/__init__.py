@@ -13,7 +13,8 @@
   sleeping a fixed time per step. Its outputs are known by hand, for scheduler and server tests.
 
 The model engines reuse the samplers' own prefill and step functions, vmapped over slots
-(`slots.py`: the slot and span machinery they share).
+(`slots.py`: the slot and span machinery they share; `slot_engine.py`: `SlotEngine`, the body
+of the AR and speculative engines, whose decode state is a `slots.Held`).
 """
 
 from relf_jax.serving.engines.ar import AREngine

@@ -35,6 +35,11 @@ from relf_jax.serving.engines.slots import (
 )
 
 
+@dataclasses.dataclass
+class SlotPending(Pending):
+    ends: list[int] = dataclasses.field(default_factory=list)  # the dispatched state's `Held.ends`
+
+
 def _mark_free(slots, slot):
     return dataclasses.replace(slots, state=dataclasses.replace(slots.state, done=slots.state.done.at[slot].set(True)))
 
@@ -48,7 +53,7 @@ class SlotEngine(Engine):
         """The span record and the jitted calls (after the subclass set ``num_slots``,
         ``max_context`` and ``tokens_per_step``)."""
         self.compact = True  # step only the occupied slots when few are (`subset_slots`)
-        self.spans = Spans(self.num_slots, self.max_context, self.tokens_per_step)
+        self.spans = Spans(self.max_context, self.tokens_per_step)
         self._jit_step = jax.jit(self.step_all, donate_argnums=(1,), static_argnames=("features",))
         self._jit_step_subset = jax.jit(functools.partial(step_subset, self.step_all), donate_argnums=(1,),
                                         static_argnames=("features",))
@@ -91,8 +96,8 @@ class SlotEngine(Engine):
         return {"seed": np.uint32(p.seed), "knobs": request_knobs(p, self.top_k), "bias_ids": ids, "bias_vals": vals}
 
     def init_state(self):
-        return free_all_slots(self, Held(stack_slots(self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data,
-                                                     self.num_slots)))
+        one = self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data
+        return free_all_slots(self, Held(stack_slots(one, self.num_slots), ends=[0] * self.num_slots))
 
     def prefill(self, prompt, params):
         arr, lens, settings = self.padded(prompt)
@@ -109,7 +114,7 @@ class SlotEngine(Engine):
 
     def insert(self, prefix, state, slot):
         state = self._fit(state, extra=prefix.prompt_len + 1)
-        self.spans.admit(slot, prefix.prompt_len)
+        state.ends[slot] = prefix.prompt_len + 1  # the prefill commits the first token
         return state.insert(self._jit_insert(state.slots, prefix.data, slot), slot, prefix.features)
 
     def prefill_insert(self, prompt, params, state, slot) -> tuple[Held, Prefix]:
@@ -120,16 +125,15 @@ class SlotEngine(Engine):
                                                           **self.request_args(params), slot=slot, settings=settings,
                                                           features=params.features())
         prefix = first_prefix(self, params, t0, first, done, len(prompt), lp=lp)
-        self.spans.admit(slot, len(prompt))
+        state.ends[slot] = len(prompt) + 1
         return state.insert(slots, slot, prefix.features), prefix
 
     def free(self, state, slot, stopped=False):
-        self.spans.free(slot)
         return state.free(state.slots if stopped else self._jit_free(state.slots, slot), slot)
 
     def _fit(self, state, extra: int = 0):
         """`state` with its caches resized to the span the next step (or insert) needs."""
-        span = self.spans.fit(self.cache_span(state), state.occupied, extra)
+        span = self.spans.fit(self.cache_span(state), state.ends, state.occupied, extra)
         return state if span == self.cache_span(state) else dataclasses.replace(state, slots=self._jit_resize(
             state.slots, span))
 
@@ -141,11 +145,12 @@ class SlotEngine(Engine):
             slots, out = self._jit_step(self.weight_args(), state.slots, features=state.features)
         else:
             slots, out = self._jit_step_subset(self.weight_args(), state.slots, idx=idx, features=state.features)
-        return dataclasses.replace(state, slots=slots), Pending(out, idx, t0, time.perf_counter())
+        return dataclasses.replace(state, slots=slots), SlotPending(out, idx, t0, time.perf_counter(), state.ends)
 
     def collect(self, pending):
         out = self.step_output(*collect_rows(pending, self.num_slots))
-        self.spans.advance_by(out.tokens)
+        for slot, toks in enumerate(out.tokens):
+            pending.ends[slot] += len(toks)
         return out
 
     def generate(self, state):

@@ -147,9 +147,9 @@ class Spans:
     start, and every step attends over all of it (the empty tail masked): at a 256-token
     context that attention was about half of a batch-8 NSD round of the `cpu` preset on CPU
     (profile). So the stacked caches are cut to a *span*, the shortest of `lengths` (powers of
-    two from `SPAN_MIN`, then the context) that holds every position a step can reach: the host
-    keeps an upper bound of each occupied slot's committed length (prompt + 1 at the prefill,
-    + every token a step emits for it), and a step adds at most ``tokens_per_step``. The caches
+    two from `SPAN_MIN`, then the context) that holds every position a step can reach: the state
+    keeps an upper bound of each occupied slot's committed length (`Held.ends`: prompt + 1 at
+    the prefill, + every token a step emits for it), and a step adds at most ``tokens_per_step``. The caches
     grow (zero-padded) before a step or an insert that needs more, and shrink (cut) when the
     occupied slots fit in half; a slot's cache beyond its length is masked, so cutting it loses
     nothing. Attending to a narrower cache (an XLA slice of a wider one) would copy the slice
@@ -158,9 +158,8 @@ class Spans:
     rounding (the sums run over fewer terms); the tests check that the tokens are the sampler's.
     """
 
-    def __init__(self, num_slots: int, max_context: int, advance: int):
+    def __init__(self, max_context: int, advance: int):
         self.advance = advance
-        self.ends = [0] * num_slots
         self.pin: int | None = None  # a span `fit` returns whatever the slots need (`Engine.warmup`)
         lengths, n = [], SPAN_MIN
         while n < max_context:
@@ -168,22 +167,13 @@ class Spans:
             n *= 2
         self.lengths = tuple(lengths) + (max_context,)
 
-    def admit(self, slot: int, prompt_len: int) -> None:
-        self.ends[slot] = prompt_len + 1  # the prefill commits the first token
-
-    def free(self, slot: int) -> None:
-        self.ends[slot] = 0
-
-    def advance_by(self, tokens: list[list[int]]) -> None:
-        for slot, toks in enumerate(tokens):
-            self.ends[slot] += len(toks)
-
-    def fit(self, current: int, occupied, extra: int = 0) -> int:
-        """The span for a step over the `occupied` slots (and a slot about to hold `extra`
-        committed tokens): `current` while it holds them and they do not fit in half of it."""
+    def fit(self, current: int, ends: Sequence[int], occupied, extra: int = 0) -> int:
+        """The span for a step over the `occupied` slots, whose committed lengths are at most
+        `ends` (`Held.ends`), and a slot about to hold `extra` committed tokens: `current` while
+        it holds them and they do not fit in half of it."""
         if self.pin is not None:
             return self.pin
-        need = max([self.ends[s] for s in occupied] + [extra]) + self.advance
+        need = max([ends[s] for s in occupied] + [extra]) + self.advance
         best = next((n for n in self.lengths if n >= need), self.lengths[-1])
         return current if best <= current and 2 * best > current else best
 
@@ -249,6 +239,9 @@ class Held:
     slots: Any
     users: frozenset = frozenset()  # (slot, feature) pairs
     occupied: frozenset = frozenset()  # slots holding a request (see `subset_slots`)
+    # per slot, an upper bound of its committed length (`Spans`). One list for a state and the
+    # states made from it, updated in place: `Engine.collect` advances it and returns no state.
+    ends: list[int] = dataclasses.field(default_factory=list, compare=False)
 
     @property
     def features(self) -> frozenset:
@@ -257,10 +250,11 @@ class Held:
 
     def insert(self, slots, slot: int, features: frozenset) -> Held:
         return Held(slots, frozenset((s, f) for s, f in self.users if s != slot) | {(slot, f) for f in features},
-                     self.occupied | {slot})
+                    self.occupied | {slot}, self.ends)
 
     def free(self, slots, slot: int) -> Held:
-        return Held(slots, frozenset((s, f) for s, f in self.users if s != slot), self.occupied - {slot})
+        self.ends[slot] = 0
+        return Held(slots, frozenset((s, f) for s, f in self.users if s != slot), self.occupied - {slot}, self.ends)
 
 
 def subset_slots(held: Held, num_slots: int) -> np.ndarray | None:
