@@ -1,9 +1,10 @@
-"""The house rules, checked on the real tree by reading the sources (nothing is imported):
-imports only run down the floors, no private name crosses a module boundary, no import cycle,
-and the Pallas kernels are leaves that import only JAX, NumPy and the standard library."""
+"""The house rules, checked on the real tree by reading the sources: imports only run down the
+floors, no private name crosses a module boundary, no import cycle, and the Pallas kernels are
+leaves that import only JAX, NumPy and the standard library; and every module imports on its own."""
 
 import ast
 import pathlib
+import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -231,6 +232,14 @@ def test_no_private_name_crosses_a_module_boundary_in_the_library():
 def test_no_private_name_crosses_a_module_boundary_in_the_tests():
     bad = _private_crossings(TESTS)
     assert bad == [], "\n".join(bad)
+
+
+def test_every_module_imports_in_a_fresh_interpreter():
+    names = sorted((n for n in MODULES if n.split(".")[0] == "relf_jax"), reverse=True)  # the deepest first
+    code = "import importlib, sys\nfor n in sys.argv[1:]:\n    importlib.import_module(n)\n"
+    proc = subprocess.run([sys.executable, "-c", code, *names], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_the_private_name_check_finds_what_it_should(tmp_path):
