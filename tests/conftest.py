@@ -1,4 +1,4 @@
-"""Shared fixtures. Tests run on the CPU with tiny shapes; `slow` tests are opt-in."""
+"""Shared fixtures. Tests run on the CPU with tiny shapes; every test runs in the default command."""
 
 import dataclasses
 import os
@@ -70,19 +70,6 @@ def pytest_unconfigure(config):
     cache = getattr(config, "_relf_jit_cache", None)
     if cache:
         shutil.rmtree(cache, ignore_errors=True)
-
-
-def pytest_addoption(parser):
-    parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
-
-
-def pytest_collection_modifyitems(config, items):
-    if config.getoption("--runslow"):
-        return
-    skip = pytest.mark.skip(reason="slow: pass --runslow to run")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
