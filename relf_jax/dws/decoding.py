@@ -3,8 +3,7 @@
 `decode_instrumented` drives the block-step functions of `relf_jax.sampling.block_diffusion`
 (the one block loop: confidence-threshold decoding, jitted) from Python for one request at a
 time, timing the prefill, every denoising step and every refresh (`RequestLog`). The batched
-decoder and its settings are `relf_jax.sampling.block_diffusion`'s, re-exported here for the
-`dws` modules that drive it.
+decoder and its settings are `relf_jax.sampling.block_diffusion`'s.
 """
 
 from __future__ import annotations
@@ -19,20 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from relf_jax.sampling.block_diffusion import (  # noqa: F401  (re-exported: the decoder the dws modules drive)
-    CONFIDENCE_RULES,
+from relf_jax.sampling.block_diffusion import (
     BlockDecodeSettings,
-    BlockDecodeState,
     block_start,
     close_block,
-    confidence_commit,
     denoise_step,
     forward_block,
-    generate,
     make_canvas,
     open_block,
-    outputs,
-    pad_prompts,
     prefill_jit,
     prompt_bucket,
 )

@@ -21,15 +21,9 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from relf_jax.dws.decoding import (
-    BlockDecodeSettings,
-    RequestLog,
-    decode_instrumented,
-    generate,
-    outputs,
-    pad_prompts,
-)
+from relf_jax.dws.decoding import RequestLog, decode_instrumented
 from relf_jax.io import write_json
+from relf_jax.sampling.block_diffusion import BlockDecodeSettings, generate, outputs, pad_prompts
 
 
 @dataclasses.dataclass
@@ -128,7 +122,7 @@ def timed_runs(graphdef, params, prompts: Sequence[Sequence[int]], settings: Blo
     (by decoding one prompt of that bucket) before any clock starts."""
     from tqdm.auto import tqdm
 
-    from relf_jax.dws.decoding import prompt_bucket
+    from relf_jax.sampling.block_diffusion import prompt_bucket
 
     if warmup:
         seen = {}

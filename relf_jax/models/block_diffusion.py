@@ -4,7 +4,7 @@ A sequence is cut into blocks of ``block_size`` tokens aligned on absolute posit
 holds positions ``j*d .. j*d + d - 1``). Attention is bidirectional inside a block and causal
 across blocks; inside the block being generated some tokens are the mask token. The network
 maps tokens (with masks) to float32 logits over the vocabulary; the masked-diffusion loss lives
-in `relf_jax.train.objectives` and the confidence-threshold decoder in `relf_jax.dws.decoding`.
+in `relf_jax.train.objectives` and the confidence-threshold decoder in `relf_jax.sampling.block_diffusion`.
 
 The embedding table has one row more than the vocabulary: id ``vocab_size`` is the mask token
 (`mask_id`), which the output never predicts.

@@ -6,7 +6,7 @@
   lookup or the corpus n-gram table).
   These two may run several steps per `generate` call (``steps_per_call``, one jitted loop).
 - `BlockDiffusionEngine` (`block_diffusion.py`): one committed block per step
-  (confidence-threshold decoding of `relf_jax.dws.decoding`).
+  (confidence-threshold decoding of `relf_jax.sampling.block_diffusion`).
 - `ReLFEngine` (`relf.py`): the whole reply at once (the flow sampler of
   `relf_jax.flow.samplers`, with the prompt's positions held on their embeddings), in one step.
 - `MockEngine` (`mock.py`): no model; echoes the last user turn one token per step, optionally
