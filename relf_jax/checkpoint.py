@@ -62,7 +62,8 @@ def _from_jsonable(state: Any) -> Any:
 def abstract_like(tree: Any, shardings: Any = None) -> Any:
     """ShapeDtypeStructs (with shardings) describing `tree`: the restore target."""
     if shardings is None:
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+                            tree)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 

@@ -144,7 +144,8 @@ def test_engines_compile_the_top_p_sort_only_while_a_slot_filters():
     host which slots use top_p < 1, and only then is the filter traced."""
     lm, draft = tiny_lm("ar", 0, max_seq_len=64), tiny_lm("ar", 1, max_seq_len=64)
     cases = [(E.AREngine(lm, 2), lambda eng, st: ((lm.params,), st.slots)),
-             (E.SpeculativeEngine(lm, draft, 2, rule="nsd", k=2), lambda eng, st: ((lm.params, draft.params), st.slots))]
+             (E.SpeculativeEngine(lm, draft, 2, rule="nsd", k=2),
+              lambda eng, st: ((lm.params, draft.params), st.slots))]
     for eng, args in cases:
         def sorts(state):
             step = functools.partial(eng.step_all, features=state.features)

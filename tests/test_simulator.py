@@ -145,10 +145,10 @@ def test_load_sweep_keys_determinism_and_sjf_gain():
     assert load_sweep(service, first_token, predicted, **kw) == out  # deterministic given seeds
     lat = out["latency"]
     assert lat["sjf_oracle"]["0.9"]["mean"] < lat["fcfs"]["0.9"]["mean"]
-    assert all(
-        s < f for s, f in zip(out["per_seed_mean_latency"]["sjf_oracle"]["0.9"], out["per_seed_mean_latency"]["fcfs"]["0.9"])
-    )
+    per_seed = out["per_seed_mean_latency"]
+    assert all(s < f for s, f in zip(per_seed["sjf_oracle"]["0.9"], per_seed["fcfs"]["0.9"]))
     assert lat["fcfs"]["0.9"]["mean"] > lat["fcfs"]["0.5"]["mean"]  # more load, more queueing
     # Two slots at the same per-slot load run too.
-    out2 = load_sweep(service, first_token, predicted, policies={"fcfs": FCFS()}, loads=[0.9], seeds=[0], n_jobs=300, slots=2)
+    out2 = load_sweep(service, first_token, predicted, policies={"fcfs": FCFS()}, loads=[0.9], seeds=[0], n_jobs=300,
+                      slots=2)
     assert out2["config"]["slots"] == 2

@@ -28,8 +28,7 @@ from flax import nnx
 
 from relf_jax.flow.losses import FlowLossSettings, flow_inputs, make_flow_loss, sample_times
 from relf_jax.flow.samplers import euler_integrate, final_tokens, time_grid
-from relf_jax.flow.singular import (interpolate, posterior_logits, posterior_mean, straightness,
-                                    velocity)
+from relf_jax.flow.singular import interpolate, posterior_logits, posterior_mean, straightness, velocity
 
 
 def _residual_fn(graphdef, params, segment_ids=None, table=None):
@@ -49,7 +48,8 @@ def _rollout(graphdef, params, embeddings, key, segment_ids=None, *, settings: F
 
 
 def rollout_pairs(graphdef, params, embeddings, key, *, n: int, length: int, settings: FlowLossSettings,
-                  nfe: int = 64, batch: int = 16, segment_ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  nfe: int = 64, batch: int = 16,
+                  segment_ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(Z_0 [n, L, d] float32, tokens [n, L] int32): the model's own deterministic coupling, on rows
     of `segment_ids` [n, L] when given (None: whole rows)."""
     z0s, toks = [], []

@@ -41,7 +41,8 @@ def message_text(content: Any) -> str:
         for part in content:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 kind = part.get("type") if isinstance(part, dict) else None
-                what = f" (got type {kind!r}: only text is supported)" if isinstance(kind, str) and kind != "text" else ""
+                what = (f" (got type {kind!r}: only text is supported)"
+                        if isinstance(kind, str) and kind != "text" else "")
                 raise UserError("message content parts must be objects {\"type\": \"text\", \"text\": \"...\"}" + what)
             parts.append(part["text"])
         return "\n".join(parts)
@@ -90,7 +91,8 @@ def check_messages(messages: Any) -> list[dict]:
         if "tool_calls" in msg:
             if role != "assistant" or not isinstance(msg["tool_calls"], list):
                 raise UserError(f"messages[{i}].tool_calls must be a list, on an assistant message")
-            msg["tool_calls"] = [_tool_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(msg["tool_calls"])]
+            msg["tool_calls"] = [_tool_call(c, f"messages[{i}].tool_calls[{j}]")
+                                 for j, c in enumerate(msg["tool_calls"])]
         out.append(msg)
     if all(m["role"] in ("system", "developer") for m in out):
         raise UserError("messages need at least one user or assistant message")

@@ -372,7 +372,8 @@ def serve(models: dict[str, list[ServedEngine]], *, host: str = "127.0.0.1", por
     """Run the server until SIGINT/SIGTERM; in-flight requests finish, then the batchers stop.
     ``lean=False``: every request goes through FastAPI's whole stack (see `create_app`)."""
     app = create_app(models, lean=lean)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout_s)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=graceful_timeout_s)
     server = GracefulServer(config)
     try:
         server.run()
