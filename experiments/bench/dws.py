@@ -39,6 +39,13 @@ import numpy as np
 
 import relf_jax as rj
 from experiments.bench.common import REPO_ROOT
+from experiments.bench.dws_report import (
+    cost_error_table,
+    error_ratios,
+    latency_ratios,
+    price_requests,
+    write_plots,
+)
 from relf_jax.config import make_config
 from relf_jax.data.builders.chatterbot import read_conversations
 from relf_jax.dws import cost_model as cm
@@ -87,16 +94,6 @@ class DWSBenchSizes:
 QUICK = DWSBenchSizes(bd_steps=150, n_train=400, n_probe=60, n_test=120, coarse_steps=100, fine_steps=150,
                       predictor_d_model=64, predictor_layers=2, loads=(0.5, 0.7, 0.9), seeds=5, sim_jobs=500)
 
-# "dws": the surface predictor with the length block head (expected cost, as methods.md prices a
-# surface); "dws_continue": the same with methods.md's continuation block head; "dws_median":
-# the headline predictor's median cost (`CostModel.sample_costs`), the MAE-optimal point of the
-# same predicted distribution (the scalar baselines regress log(1 + y), also median-like)
-PREDICTORS = ("dws", "dws_continue", "dws_median", "length", "steps", "prompt_len", "oracle")
-# The ceilings: each scalar baseline's cost line fed the request's *realised* scalar (reply
-# length in tokens, total steps) instead of a prediction, fitted on the probes the same way.
-# oracle / length_oracle is the most the DWS-over-length error ratio could reach with perfect
-# predictors on this model's workload; steps_oracle likewise for total steps.
-SCALAR_ORACLES = ("length_oracle", "steps_oracle")
 # predictor directory (under the run's predictor_* folder) -> (head, block head)
 PREDICTOR_DIRS = {"surface_length": ("surface", "length"), "surface": ("surface", "continue"),
                   "length": ("length", "continue"), "steps": ("steps", "continue")}
@@ -135,8 +132,8 @@ def bench_dws(out: str, quick: bool = False, workdir: str | None = None, overrid
                                  [p.text for p in run.test_p][:200], run.d, run.nb, run.max_prompt)
     result = run.report(transfer, latency, pred_ms)
     single = latency["slots_1"]
-    result["plots"] = _plots(os.path.splitext(out)[0], run.s_test, run.test_maps, run.test_p, single["latency"],
-                             run.sz.loads)
+    result["plots"] = write_plots(os.path.splitext(out)[0], run.s_test, run.test_maps, [p.text for p in run.test_p],
+                                  single["latency"], run.sz.loads)
     write_json(out, result)
     print(json.dumps({k: result[k] for k in ("error_ratio_vs_length", "error_ratio_vs_steps", "error_ratio_ceiling",
                                               "latency_ratio_fcfs_over_sjf_dws", "predictor_ms_per_prompt")},
@@ -221,21 +218,14 @@ class _DWSRun:
         self.model = model = cm.fit_cost_model(m_probe, probe_maps, probe_cost, penalty_order=self.sz.penalty_order)
         self.s_test = s_test = predicted["surface_length"][1]
         scalars = {"length": predicted["length"], "steps": predicted["steps"], "prompt_len": (m_probe, m_test)}
-        self.pred_cost = pred_cost = {
-            "dws": model.predict(m_test, s_test), "oracle": model.predict(m_test, self.test_maps),
-            "dws_continue": model.predict(m_test, predicted["surface"][1]),
-            "dws_median": np.median(model.sample_costs(m_test, s_test), axis=1)}
         realised = {"length_oracle": [len(lg.output) for lg in probe_logs + test_logs],
                     "steps_oracle": [lg.total_steps for lg in probe_logs + test_logs]}
         for name, x in realised.items():
             scalars[name] = (np.asarray(x[:len(probe_logs)], np.float64),
                              np.asarray(x[len(probe_logs):], np.float64))
-        for name, (xp, xt) in scalars.items():
-            if name in SCALAR_ORACLES and np.all(xp == xp[0]):  # every probe the same length: no slope
-                pred_cost[name] = np.full(len(xt), float(np.mean(probe_cost)))
-            else:
-                pred_cost[name] = cm.fit_scalar_cost(xp, probe_cost).predict(xt)
-        self.errors = {name: cost_errors(pred_cost[name], test_cost) for name in PREDICTORS + SCALAR_ORACLES}
+        self.pred_cost = price_requests(model, m_test, self.test_maps, s_test, predicted["surface"][1], scalars,
+                                        probe_cost)
+        self.errors = cost_error_table(self.pred_cost, test_cost)
         self.surface_violations = sum(len(check_surface(s)) for s in s_test)
 
     def transfer(self) -> dict:
@@ -274,10 +264,6 @@ class _DWSRun:
     def report(self, transfer: dict, latency: dict, pred_ms: float) -> dict:
         sz, settings, errors, test_cost, test_logs = self.sz, self.settings, self.errors, self.test_cost, self.test_logs
         single = latency["slots_1"]
-
-        mean_at = lambda policy: single["latency"][policy][str(0.9)]["mean"]  # at load 0.9
-        mae_ratios = lambda base, names: {k: errors[base]["mae"] / errors[k]["mae"] for k in names}
-
         return {
             "config": {**dataclasses.asdict(sz), "quick": self.quick, "workdir": self.workdir,
                        "backend": jax.default_backend(), "threshold": settings.threshold,
@@ -295,15 +281,7 @@ class _DWSRun:
             },
             "cost_model": self.model.to_dict(),
             "error": errors,
-            "error_ratio_vs_length": errors["length"]["mae"] / errors["dws"]["mae"],
-            "error_ratio_vs_steps": errors["steps"]["mae"] / errors["dws"]["mae"],
-            "error_ratio_vs_prompt_len": errors["prompt_len"]["mae"] / errors["dws"]["mae"],
-            # with every prediction perfect: the realised surface's error against each realised scalar's
-            "error_ratio_ceiling": {"vs_length": errors["length_oracle"]["mae"] / errors["oracle"]["mae"],
-                                    "vs_steps": errors["steps_oracle"]["mae"] / errors["oracle"]["mae"]},
-            # the same ratios for the continuation block head and for the median point prediction
-            "error_ratio_vs_length_by_predictor": mae_ratios("length", ("dws", "dws_continue", "dws_median")),
-            "error_ratio_vs_steps_by_predictor": mae_ratios("steps", ("dws", "dws_continue", "dws_median")),
+            **error_ratios(errors),
             "predictor_dir": os.path.join(self.pred_dir, "surface_length"),
             "predicted_surface_invariant_violations": self.surface_violations,
             "transfer": transfer,
@@ -312,9 +290,7 @@ class _DWSRun:
             "latency_batched": {k: v["latency"] for k, v in latency.items() if k != "slots_1"},
             "ttft_batched": {k: v["ttft"] for k, v in latency.items() if k != "slots_1"},
             "per_seed_mean_latency": single["per_seed_mean_latency"],
-            "latency_ratio_fcfs_over_sjf_dws": mean_at("fcfs") / mean_at("sjf_dws"),
-            "latency_ratio_sjf_length_over_sjf_dws": mean_at("sjf_length") / mean_at("sjf_dws"),
-            "latency_ratio_sjf_steps_over_sjf_dws": mean_at("sjf_steps") / mean_at("sjf_dws"),
+            **latency_ratios(single["latency"]),
             "predictor_ms_per_prompt": pred_ms,
             "predictor_train_s": self.train_s,
             # per test request, for offline analysis: measured runs and every predictor's cost
@@ -325,41 +301,6 @@ class _DWSRun:
                          for i, (p, lg, lg16) in enumerate(zip(self.test_p, test_logs, self.test16))],
             "wall_s": time.perf_counter() - self.t_start,
         }
-
-
-def _plots(base: str, s_pred: np.ndarray, s_true: np.ndarray, prompts, latency: dict, loads) -> dict:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    idx = np.argsort([m.sum() for m in s_true])
-    pick = [int(idx[int(q * (len(idx) - 1))]) for q in (0.1, 0.5, 0.9)]
-    fig, axes = plt.subplots(2, len(pick), figsize=(4 * len(pick), 6), squeeze=False)
-    for col, i in enumerate(pick):
-        for row, (arr, name) in enumerate(((s_pred[i], "predicted S"), (s_true[i], "executed cells"))):
-            ax = axes[row, col]
-            ax.imshow(arr, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-            ax.set_title(f"{name}: {arr.sum():.1f} steps", fontsize=9)
-            ax.set_xlabel("step s")
-            ax.set_ylabel("block b")
-        axes[0, col].text(0, -2.2, prompts[i].text[:48], fontsize=7)
-    fig.tight_layout()
-    surf = base + "_surfaces.png"
-    fig.savefig(surf, dpi=110)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for policy, by_load in latency.items():
-        ax.plot(loads, [by_load[str(x)]["mean"] for x in loads], marker="o", label=policy)
-    ax.set_xlabel("load")
-    ax.set_ylabel("mean end-to-end latency (s)")
-    ax.set_yscale("log")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    lat = base + "_latency.png"
-    fig.savefig(lat, dpi=110)
-    plt.close(fig)
-    return {"surfaces": surf, "latency_vs_load": lat}
 
 
 def _predictor_latency(predictor_dir: str, model, texts: list[str], block_size: int, max_blocks: int,
