@@ -41,8 +41,8 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
     shutil.copy(os.path.join(full, "tokenizer.model"), os.path.join(killed, "tokenizer.model"))
 
     proc = subprocess.Popen(_cmd(killed), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
+    deadline = time.monotonic() + 300  # polls a real condition: a committed checkpoint
+    while time.monotonic() < deadline and proc.poll() is None:
         if any(s >= 20 for s in _committed_steps(killed)):
             proc.send_signal(signal.SIGKILL)
             break
