@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
-from relf_jax.config import ConfigError, SampleConfig, validate_sampling
+from relf_jax.config import PROPOSERS, ConfigError, SampleConfig, validate_sampling
 
 RULES = ("standard", "nsd", "greedy")
 FLOW_SAMPLERS = ("euler", "stochastic")
@@ -27,7 +27,6 @@ RENOISE = ("linear", "marginal")
 CONFIDENCE = ("max", "sampled")
 # the CLI's generator names and the proposer names they pair with
 GENERATORS = ("ar", "standard", "nsd", "greedy", "bd", "relf")
-PROPOSERS = ("draft", "prompt_lookup", "corpus_ngram")
 # traffic tokens an online n-gram table keeps (`NgramTable(corpus=("online",))`)
 ONLINE_NGRAM_TOKENS = 32768
 

@@ -162,8 +162,8 @@ def test_engines_compile_the_top_p_sort_only_while_a_slot_filters():
 
 
 def test_block_diffusion_engine_matches_the_decoder():
-    from relf_jax.dws.workload import decode_settings
     from relf_jax.sampling import block_diffusion as bdd
+    from relf_jax.sampling.block_diffusion import decode_settings
 
     lm = tiny_lm("bd", max_seq_len=64)
     eng = E.BlockDiffusionEngine(lm, 2, threshold=0.5)

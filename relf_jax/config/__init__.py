@@ -16,6 +16,7 @@ before any compute.
 from relf_jax.config.overrides import make_config, set_value
 from relf_jax.config.presets import ALIASES, PRESETS
 from relf_jax.config.schema import (
+    PROPOSERS,
     Config,
     ConfigError,
     DataConfig,
@@ -33,6 +34,7 @@ from relf_jax.config.schema import (
 __all__ = [
     "ALIASES",
     "PRESETS",
+    "PROPOSERS",
     "Config",
     "ConfigError",
     "DataConfig",

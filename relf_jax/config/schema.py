@@ -12,6 +12,10 @@ from typing import Any, Literal
 
 from relf_jax.errors import UserError
 
+# the speculative proposers: a draft model, the prompt's own n-grams, a corpus n-gram table
+Proposer = Literal["draft", "prompt_lookup", "corpus_ngram"]
+PROPOSERS: tuple[str, ...] = typing.get_args(Proposer)
+
 
 class ConfigError(UserError):
     """A bad preset, key or value. The message is one line meant for the user."""
@@ -219,7 +223,7 @@ class SpeculativeConfig:
 
     rule: Literal["none", "standard", "nsd", "greedy"] = "none"
     k: int = 4
-    proposer: Literal["draft", "prompt_lookup", "corpus_ngram"] = "draft"
+    proposer: Proposer = "draft"
     nsd_top_p: float = 0.9
     ngram: int = 3  # prompt lookup: longest n-gram to match
     corpus_order: int = 3  # corpus_ngram: contexts of up to order - 1 tokens

@@ -3,8 +3,6 @@
 - `workload_prompts`: first user turns of fresh `synthetic_chat` conversations (whose reply
   length follows the verbosity cue in the prompt) and real user utterances of the
   `chatterbot-corpus` dialogs, each as ``<user> ... <assistant>``.
-- `decode_settings`: the confidence-threshold decoder's settings for a loaded block-diffusion
-  model; a reply stops at EOS or at the ``<user>`` marker that opens the next turn.
 - `decode_labels`: steps per block and output length of many prompts with the batched jitted
   decoder (cheap labels for training the predictor), optionally cached on disk.
 - `timed_runs`: the instrumented decoder over prompts, one at a time (`RequestLog` each).
@@ -51,19 +49,6 @@ def workload_prompts(tok, *, n_synthetic: int, n_chatterbot: int, seed: int, max
             out.append(WorkloadPrompt(text=text, source=source, ids=ids))
     order = np.random.default_rng(seed + 1).permutation(len(out))
     return [out[i] for i in order]
-
-
-def decode_settings(lm, *, max_blocks: int, threshold: float = 0.95, temperature: float = 0.0,
-                    block_size: int | None = None, confidence: str = "max") -> BlockDecodeSettings:
-    """Settings for a loaded "bd" model: its block size, stop at EOS, ``<user>`` or pad (it trains on
-    document rows, where pad only follows the end of a conversation), greedy by default."""
-    from relf_jax.data.tokenizer import turn_stop_ids
-
-    tok = lm.tokenizer
-    return BlockDecodeSettings(block_size=block_size or lm.model_cfg.block_size, max_blocks=max_blocks,
-                               mask_id=lm.model_cfg.vocab_size, pad_id=tok.pad_id,
-                               stop_ids=turn_stop_ids(tok, pad=True),
-                               threshold=threshold, temperature=temperature, confidence=confidence)
 
 
 def _labels_key(params, prompts: Sequence[Sequence[int]], settings: BlockDecodeSettings, batch_size: int) -> str:

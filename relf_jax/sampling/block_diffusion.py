@@ -268,6 +268,19 @@ def generate(graphdef, params, prompts: jax.Array, prompt_len: jax.Array,
     return state
 
 
+def decode_settings(lm, *, max_blocks: int, threshold: float = 0.95, temperature: float = 0.0,
+                    block_size: int | None = None, confidence: str = "max") -> BlockDecodeSettings:
+    """Settings for a loaded "bd" model: its block size, stop at EOS, ``<user>`` or pad (it trains on
+    document rows, where pad only follows the end of a conversation), greedy by default."""
+    from relf_jax.data.tokenizer import turn_stop_ids
+
+    tok = lm.tokenizer
+    return BlockDecodeSettings(block_size=block_size or lm.model_cfg.block_size, max_blocks=max_blocks,
+                               mask_id=lm.model_cfg.vocab_size, pad_id=tok.pad_id,
+                               stop_ids=turn_stop_ids(tok, pad=True),
+                               threshold=threshold, temperature=temperature, confidence=confidence)
+
+
 def prompt_bucket(prompt_len: int, block_size: int) -> int:
     """Prompt padding for one request: whole blocks, so prefill cost follows the prompt's blocks."""
     return -(-prompt_len // block_size) * block_size

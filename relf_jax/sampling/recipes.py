@@ -114,7 +114,6 @@ def sample_bd(lm, prompts: Optional[Sequence[str]] = None, n: Optional[int] = No
     ceil(``sample.max_new_tokens`` / block size) blocks, stopping at EOS or (when every prompt is
     non-empty, i.e. a reply is wanted) at the ``<user>`` marker of the next turn.
     ``target_forwards`` counts denoising steps plus one cache refresh per block."""
-    from relf_jax.dws.workload import decode_settings  # the settings of a loaded "bd" model
     from relf_jax.sampling import block_diffusion as bdd
 
     sc = sample_cfg or lm.cfg.sample
@@ -122,8 +121,8 @@ def sample_bd(lm, prompts: Optional[Sequence[str]] = None, n: Optional[int] = No
     prompts = list(prompts) if prompts is not None else None
     ids = prompt_ids(tok, prompts, n or sc.num_samples)
     d = lm.model_cfg.block_size
-    settings = decode_settings(lm, max_blocks=-(-sc.max_new_tokens // d), threshold=sc.threshold,
-                               temperature=sc.temperature, confidence=sc.confidence)
+    settings = bdd.decode_settings(lm, max_blocks=-(-sc.max_new_tokens // d), threshold=sc.threshold,
+                                   temperature=sc.temperature, confidence=sc.confidence)
     if prompts is None or not all(prompts):  # a fresh conversation starts with <user>: only EOS (or pad) ends it
         settings = dataclasses.replace(settings, stop_ids=tuple(i for i in settings.stop_ids
                                                                 if i in (tok.eos_id, tok.pad_id)))

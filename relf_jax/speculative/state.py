@@ -10,12 +10,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from relf_jax.config import validate_sampling
+from relf_jax.config import PROPOSERS, validate_sampling
 from relf_jax.errors import UserError
 from relf_jax.sampling import processors
 from relf_jax.speculative.verify import RULES
-
-PROPOSERS = ("draft", "prompt_lookup", "corpus_ngram")
 
 
 @dataclasses.dataclass(frozen=True)
