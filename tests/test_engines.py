@@ -76,7 +76,7 @@ def test_ar_engine_matches_the_sampler_per_request(steps_per_call):
     for slot, prompt, p, at in jobs:
         arr, lens = ar.pad_prompts([prompt], 0)
         st = ar.generate(lm.graphdef, lm.params, arr, lens, jax.random.key(p.seed),
-                         ar.SamplingParams.make(p.temperature, 0, p.top_p), ar.DecodeSettings(n, TOK.eos_id, 0))
+                         ar.TracedSampling.make(p.temperature, 0, p.top_p), ar.DecodeSettings(n, TOK.eos_id, 0))
         want = ar.replies(st, lens)[0]
         assert out[slot][:len(want)] == want, slot
 
@@ -282,7 +282,7 @@ def test_cache_span_grows_and_shrinks_with_the_occupied_slots_not_the_tokens(mon
         for slot, p in ((0, pa), (1, pb)):
             key = jax.random.key(p.seed)
             if isinstance(eng, E.AREngine):
-                st = ar.generate(lm.graphdef, lm.params, arr, lens, key, ar.SamplingParams.make(1.0),
+                st = ar.generate(lm.graphdef, lm.params, arr, lens, key, ar.TracedSampling.make(1.0),
                                  ar.DecodeSettings(50, TOK.eos_id, 0))
                 got = ar.replies(st, lens)[0]
             else:

@@ -81,7 +81,7 @@ def hf_logits(model, tokens):
 
 def greedy_ours(lm, tokens, n):
     prompts, lens = ar.pad_prompts([list(r) for r in tokens], pad_id=lm.tokenizer.pad_id)
-    state = ar.generate(lm.graphdef, lm.params, prompts, lens, jax.random.key(0), ar.SamplingParams.make(0.0),
+    state = ar.generate(lm.graphdef, lm.params, prompts, lens, jax.random.key(0), ar.TracedSampling.make(0.0),
                         ar.DecodeSettings(max_new_tokens=n, eos_id=-1, pad_id=lm.tokenizer.pad_id))
     toks = np.asarray(state.tokens)
     return toks[:, tokens.shape[1]:tokens.shape[1] + n]

@@ -95,7 +95,7 @@ def test_generate_errors_and_greedy_equals_greedy_ar(tiny_model, tiny_model_cfg)
                       draft_params=_table_for(tiny_model_cfg.vocab_size + 1))
     state = spec.generate(tg, tp, prompts, lens, jax.random.key(0), spec.SpecParams.make(1.0), settings,
                           draft_params=_table_for(tiny_model_cfg.vocab_size))
-    want = ar.replies(ar.generate(tg, tp, prompts, lens, jax.random.key(0), ar.SamplingParams.make(0.0),
+    want = ar.replies(ar.generate(tg, tp, prompts, lens, jax.random.key(0), ar.TracedSampling.make(0.0),
                                   ar.DecodeSettings(max_new_tokens=10, eos_id=-1)), lens)
     toks, lengths = np.asarray(state.tokens), np.asarray(state.lengths)
     assert [toks[i, int(lens[i]):int(lengths[i])].tolist() for i in range(2)] == want
@@ -141,7 +141,7 @@ def test_standard_rule_with_the_ngram_draft_samples_the_target(tiny_model, tiny_
     # the table counts the target's own samples, truncated to 4 tokens per context: q is close to
     # p on its top tokens and 0 elsewhere, so both acceptances and residual draws happen
     few, few_lens = ar.pad_prompts([prompt] * 300)
-    rows = ar.replies(ar.generate(tg, tp, few, few_lens, jax.random.key(9), ar.SamplingParams.make(1.0),
+    rows = ar.replies(ar.generate(tg, tp, few, few_lens, jax.random.key(9), ar.TracedSampling.make(1.0),
                                   ar.DecodeSettings(max_new_tokens=12, eos_id=-1)), few_lens)
     table = build_ngram_draft([prompt + r for r in rows], v, order=3, top_m=4)
     state = spec.generate(tg, tp, prompts, lens, jax.random.key(3), spec.SpecParams.make(1.0), settings,

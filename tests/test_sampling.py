@@ -116,13 +116,13 @@ def test_generate_compiles_once_and_stream_matches(tiny_model):
     settings = ar.DecodeSettings(max_new_tokens=10, eos_id=1)
     before = ar.generate_jit._cache_size()
     prompts, lens = ar.pad_prompts([[2, 5, 6], [2, 7, 8, 9, 10]])
-    s1 = ar.generate(graphdef, params, prompts, lens, jax.random.key(0), ar.SamplingParams.make(1.0), settings)
+    s1 = ar.generate(graphdef, params, prompts, lens, jax.random.key(0), ar.TracedSampling.make(1.0), settings)
     # other prompts in the same bucket, other sampling knobs: no recompilation
     prompts2, lens2 = ar.pad_prompts([[2, 9], [2, 3, 4, 5, 6, 7, 8]])
-    ar.generate(graphdef, params, prompts2, lens2, jax.random.key(1), ar.SamplingParams.make(0.5, 5, 0.9), settings)
+    ar.generate(graphdef, params, prompts2, lens2, jax.random.key(1), ar.TracedSampling.make(0.5, 5, 0.9), settings)
     assert ar.generate_jit._cache_size() - before == 1
     streamed = [tok for tok, _ in ar.stream(graphdef, params, prompts, lens, jax.random.key(0),
-                                            ar.SamplingParams.make(1.0), settings)]
+                                            ar.TracedSampling.make(1.0), settings)]
     out = np.stack(streamed, 1)
     reps = ar.replies(s1, lens)
     for r in range(2):
@@ -137,7 +137,7 @@ def test_greedy_generation_equals_argmax_recompute(tiny_model):
     model = jax.jit(lambda t: nnx.merge(graphdef, params)(t)[0])
     settings = ar.DecodeSettings(max_new_tokens=6, eos_id=-1)
     prompts, lens = ar.pad_prompts([[2, 11], [2, 12, 13, 14]])
-    state = ar.generate(graphdef, params, prompts, lens, jax.random.key(0), ar.SamplingParams.make(0.0), settings)
+    state = ar.generate(graphdef, params, prompts, lens, jax.random.key(0), ar.TracedSampling.make(0.0), settings)
     for r, reply in enumerate(ar.replies(state, lens)):
         seq = list(np.asarray(prompts[r, :int(lens[r])]))
         for tok in reply:
@@ -154,20 +154,20 @@ def test_eos_stops_row(tiny_model):
     settings0 = ar.DecodeSettings(max_new_tokens=3, eos_id=-1)
     prompts, lens = ar.pad_prompts([[2, 11]])
     first = ar.replies(ar.generate(graphdef, params, prompts, lens, jax.random.key(0),
-                                   ar.SamplingParams.make(0.0), settings0), lens)[0][0]
+                                   ar.TracedSampling.make(0.0), settings0), lens)[0][0]
     settings = ar.DecodeSettings(max_new_tokens=8, eos_id=first)
-    state = ar.generate(graphdef, params, prompts, lens, jax.random.key(0), ar.SamplingParams.make(0.0), settings)
+    state = ar.generate(graphdef, params, prompts, lens, jax.random.key(0), ar.TracedSampling.make(0.0), settings)
     assert ar.replies(state, lens)[0] == [first]
     assert bool(state.done[0])
 
 
 def test_bad_sampling_inputs():
     with pytest.raises(UserError, match="temperature"):
-        ar.SamplingParams.make(-1.0)
+        ar.TracedSampling.make(-1.0)
     with pytest.raises(UserError, match="top_p"):
-        ar.SamplingParams.make(1.0, 0, 0.0)
+        ar.TracedSampling.make(1.0, 0, 0.0)
     with pytest.raises(UserError, match="top_k"):
-        ar.SamplingParams.make(1.0, -2, 1.0)
+        ar.TracedSampling.make(1.0, -2, 1.0)
     with pytest.raises(UserError, match="exceeds the model context"):
         ar.check_context(100, 50, 128)
 

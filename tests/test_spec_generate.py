@@ -21,7 +21,7 @@ PROMPTS = [[2, 5, 6, 7, 5, 6], [2, 9], [2, 3, 4, 5, 6, 7, 8, 3, 4]]
 
 def _ar_greedy(graphdef, params, max_new):
     prompts, lens = ar.pad_prompts(PROMPTS)
-    state = ar.generate(graphdef, params, prompts, lens, jax.random.key(0), ar.SamplingParams.make(0.0),
+    state = ar.generate(graphdef, params, prompts, lens, jax.random.key(0), ar.TracedSampling.make(0.0),
                         ar.DecodeSettings(max_new_tokens=max_new, eos_id=-1))
     return ar.replies(state, lens)
 

@@ -65,7 +65,7 @@ def _ours_ar(lm, prompts: np.ndarray, new: int):
 
     lens = jax.numpy.full((prompts.shape[0],), prompts.shape[1], jax.numpy.int32)
     settings = ar.DecodeSettings(max_new_tokens=new, eos_id=-1, pad_id=lm.tokenizer.pad_id)
-    params = ar.SamplingParams.make(1.0)
+    params = ar.TracedSampling.make(1.0)
 
     def run(r):
         state = ar.generate(lm.graphdef, lm.params, jax.numpy.asarray(prompts), lens, jax.random.key(r), params,

@@ -42,7 +42,7 @@ def bench_latency(out: str, quick: bool = False, workdir: str | None = None, ove
             if family == "ar":
                 settings = ar.DecodeSettings(max_new_tokens=length, eos_id=-1)
                 prompts, lens = ar.pad_prompts([[2]] * batch, bucket=8)
-                sp = ar.SamplingParams.make(1.0)
+                sp = ar.TracedSampling.make(1.0)
 
                 def run(key, _p=prompts, _l=lens, _s=settings, _sp=sp):
                     return ar.generate(graphdef, params, _p, _l, key, _sp, _s).tokens

@@ -113,7 +113,7 @@ def latency_rows(ar_lm, relf_lm, *, length: int, batches: Sequence[int], reps: i
     for batch in batches:
         settings = ar.DecodeSettings(max_new_tokens=length - 1, eos_id=-1)
         prompts, lens = ar.pad_prompts([[ar_lm.tokenizer.bos_id]] * batch, ar_lm.tokenizer.pad_id, 8)
-        sp = ar.SamplingParams.make(1.0)
+        sp = ar.TracedSampling.make(1.0)
         ar_times = []
         for i in range(reps + 1):
             t0 = time.perf_counter()

@@ -2,7 +2,7 @@
 
 Static settings (shapes, EOS) live on the frozen `DecodeSettings`; sampling knobs
 (temperature, top-k, top-p, min-p and the `processors.Penalties`: logit bias, repetition /
-frequency / presence penalties) are traced in `relf_jax.sampling.params.SamplingParams`, so
+frequency / presence penalties) are traced in `relf_jax.sampling.params.TracedSampling`, so
 changing them does not recompile; a knob given as None is left out at trace time. The prefill is
 `relf_jax.sampling.prefill`'s, shared with the speculative sampler and the export. The penalties' token counts live in
 the state (``settings.track_tokens``) and are updated as tokens are committed. One compilation
@@ -29,7 +29,7 @@ from flax import nnx
 from relf_jax.errors import UserError
 from relf_jax.models.layers import KVCache
 from relf_jax.sampling import processors
-from relf_jax.sampling.params import SamplingParams, sample_logits
+from relf_jax.sampling.params import TracedSampling, sample_logits
 from relf_jax.sampling.prefill import first_token, prefill_cache
 
 
@@ -85,13 +85,13 @@ def pad_prompts_np(prompts: Sequence[Sequence[int]], pad_id: int = 0, bucket: in
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
 def prefill(graphdef, params, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array,
-            sampling: SamplingParams, settings: DecodeSettings) -> DecodeState:
+            sampling: TracedSampling, settings: DecodeSettings) -> DecodeState:
     """Run the padded prompts [B, P] through the model, sample each row's first new token."""
     return prefill_scored(graphdef, params, prompts, prompt_lengths, key, sampling, settings)[0]
 
 
 def prefill_scored(graphdef, params, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array,
-                   sampling: SamplingParams, settings: DecodeSettings,
+                   sampling: TracedSampling, settings: DecodeSettings,
                    log_probs: int = 0) -> tuple[DecodeState, jax.Array | None]:
     """`prefill` (traceable), with the first token's reported log-probs when log_probs > 0
     (`sample_logits`)."""
@@ -107,13 +107,13 @@ def prefill_scored(graphdef, params, prompts: jax.Array, prompt_lengths: jax.Arr
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"), donate_argnames=("state",))
-def decode_step(graphdef, params, state: DecodeState, sampling: SamplingParams,
+def decode_step(graphdef, params, state: DecodeState, sampling: TracedSampling,
                 settings: DecodeSettings) -> DecodeState:
     """Feed each row's last token, sample the next; finished rows stay unchanged."""
     return step(graphdef, params, state, sampling, settings)[0]
 
 
-def step(graphdef, params, state: DecodeState, sampling: SamplingParams, settings: DecodeSettings,
+def step(graphdef, params, state: DecodeState, sampling: TracedSampling, settings: DecodeSettings,
          log_probs: int = 0) -> tuple[DecodeState, jax.Array | None]:
     """One decode step (traceable): feed each row's last token, sample the next (finished rows
     stay unchanged); with the new tokens' reported log-probs when log_probs > 0 (`sample_logits`)."""
@@ -150,7 +150,7 @@ def generate_jit(graphdef, params, prompts, prompt_lengths, key, sampling, setti
         state)
 
 
-def _tracking(sampling: SamplingParams, settings: DecodeSettings) -> DecodeSettings:
+def _tracking(sampling: TracedSampling, settings: DecodeSettings) -> DecodeSettings:
     return dataclasses.replace(settings, track_tokens=True) if sampling.tracks_tokens else settings
 
 
@@ -162,7 +162,7 @@ def check_context(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> Non
 
 
 def generate(graphdef, params, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array,
-             sampling: SamplingParams, settings: DecodeSettings) -> DecodeState:
+             sampling: TracedSampling, settings: DecodeSettings) -> DecodeState:
     """Sample up to ``settings.max_new_tokens`` tokens after each prompt in one jitted while_loop.
 
     prompts: [B, P] int32, left-aligned, padded (see `pad_prompts`); prompt_lengths: [B].
@@ -175,7 +175,7 @@ def generate(graphdef, params, prompts: jax.Array, prompt_lengths: jax.Array, ke
 
 
 def stream(graphdef, params, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array,
-           sampling: SamplingParams, settings: DecodeSettings) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+           sampling: TracedSampling, settings: DecodeSettings) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Yield (new_tokens [B], emitted [B] bool) after every step, via the same jitted step.
 
     Gives the same tokens as `generate` with the same key.

@@ -1,6 +1,6 @@
 """The traced sampling knobs of the AR and speculative samplers and the one per-position draw.
 
-`SamplingParams` holds temperature, top-k, top-p, min-p and the `processors.Penalties` (logit
+`TracedSampling` holds temperature, top-k, top-p, min-p and the `processors.Penalties` (logit
 bias, repetition / frequency / presence penalties) as traced values, a scalar or one per row, so
 changing them does not recompile; a knob given as None is left out at trace time.
 `sample_logits` draws one position's tokens under them. (The user-facing settings are
@@ -19,7 +19,7 @@ from relf_jax.sampling import processors
 
 
 @flax.struct.dataclass
-class SamplingParams:
+class TracedSampling:
     """Traced sampling knobs, a scalar or one value per row. min_p and penalties None: off
     (left out at trace time); penalties' token state (counts, seen) is ignored here: it lives
     in the `DecodeState`."""
@@ -33,7 +33,7 @@ class SamplingParams:
     @classmethod
     def make(cls, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
              repetition_penalty: float = 1.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-             logit_bias: dict[int, float] | None = None, vocab_size: int | None = None) -> SamplingParams:
+             logit_bias: dict[int, float] | None = None, vocab_size: int | None = None) -> TracedSampling:
         """Settings for every row; the ones at their off value are left out. `logit_bias` needs
         `vocab_size` (its dense row is built here)."""
         validate_sampling(temperature, top_k, top_p)
@@ -58,7 +58,7 @@ class SamplingParams:
         return self.penalties is not None and self.penalties.tracks
 
 
-def sample_logits(logits: jax.Array, key: jax.Array, sampling: SamplingParams, counts=None, seen=None,
+def sample_logits(logits: jax.Array, key: jax.Array, sampling: TracedSampling, counts=None, seen=None,
                   log_probs: int = 0) -> tuple[jax.Array, jax.Array | None]:
     """(tokens [B], reported log-probs [B, 1 + 2 * log_probs] or None) for the logits [B, V] of
     one position: `processors.adjust` with the rows' token state, then `processors.sample`.

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from relf_jax.models.causal_lm import init_cache
 from relf_jax.sampling import processors
-from relf_jax.sampling.params import SamplingParams, sample_logits
+from relf_jax.sampling.params import TracedSampling, sample_logits
 
 
 def prefill_cache(model, prompts: jax.Array, prompt_lengths: jax.Array, cache_len: int, *,
@@ -45,7 +45,7 @@ class FirstToken:
 
 
 def first_token(last_logits: jax.Array, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array,
-                sampling: SamplingParams, *, total: int, pad_id: int, eos_id: int, max_new_tokens: int,
+                sampling: TracedSampling, *, total: int, pad_id: int, eos_id: int, max_new_tokens: int,
                 track_tokens: bool, log_probs: int = 0) -> FirstToken:
     """Draw each row's first new token from `last_logits` [B, V] (`prefill_cache`) and write it after its
     prompt into a [B, total] token buffer. track_tokens: start the penalties' token state

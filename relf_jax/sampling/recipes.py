@@ -34,7 +34,7 @@ def ar_batch(lm, sc: SampleConfig):
     """``run(prompts, lengths, key) -> (tokens, lengths, state)`` of AR decoding with `sc`."""
     settings = ar.DecodeSettings(max_new_tokens=sc.max_new_tokens, eos_id=lm.tokenizer.eos_id,
                                  pad_id=lm.tokenizer.pad_id)
-    params = ar.SamplingParams.make(sc.temperature, sc.top_k, sc.top_p)
+    params = ar.TracedSampling.make(sc.temperature, sc.top_k, sc.top_p)
 
     def run(arr, lens, key):
         state = ar.generate(lm.graphdef, lm.params, arr, lens, key, params, settings)
@@ -96,7 +96,7 @@ def stream_reply(lm, prompt: str, sample_cfg: Optional[SampleConfig] = None) -> 
     out: list[int] = []
     shown = ""
     for toks, emitted in ar.stream(lm.graphdef, lm.params, arr, lens, jax.random.key(sc.seed),
-                                   ar.SamplingParams.make(sc.temperature, sc.top_k, sc.top_p), settings):
+                                   ar.TracedSampling.make(sc.temperature, sc.top_k, sc.top_p), settings):
         if not emitted[0] or int(toks[0]) == tok.eos_id:
             continue
         out.append(int(toks[0]))

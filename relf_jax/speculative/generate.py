@@ -42,7 +42,7 @@ from flax import nnx
 from kernels_pallas import dispatch
 from relf_jax.errors import UserError
 from relf_jax.sampling import processors
-from relf_jax.sampling.params import SamplingParams
+from relf_jax.sampling.params import TracedSampling
 from relf_jax.sampling.prefill import first_token, prefill_cache
 from relf_jax.speculative import ngram_draft
 from relf_jax.speculative.proposers import draft_model, ngram_table, prompt_lookup
@@ -204,7 +204,7 @@ def prefill_scored(target_graphdef, target_params, draft_graphdef, draft_params,
         _, dcache = prefill_cache(nnx.merge(draft_graphdef, draft_params), prompts, prompt_lengths, total,
                                   logits=False)
     t, top_k, top_p, min_p = sampling_knobs(sp, settings)
-    first = first_token(last, prompts, prompt_lengths, key, SamplingParams(t, top_k, top_p, min_p, sp.penalties),
+    first = first_token(last, prompts, prompt_lengths, key, TracedSampling(t, top_k, top_p, min_p, sp.penalties),
                         total=total, pad_id=settings.pad_id, eos_id=settings.eos_id,
                         max_new_tokens=settings.max_new_tokens, track_tokens=settings.track_tokens,
                         log_probs=log_probs)

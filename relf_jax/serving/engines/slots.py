@@ -112,7 +112,7 @@ def request_knobs(p: RequestParams, engine_top_k: int) -> dict:
 
 
 def request_sampling(ar, knobs: dict, bias_ids, bias_vals, vocab: int):
-    """(Traced) `SamplingParams` of one request from `request_knobs`, every field present (a
+    """(Traced) `TracedSampling` of one request from `request_knobs`, every field present (a
     slot's state has one structure whatever its request uses; `static_sampling` drops the
     unused ones)."""
     from relf_jax.sampling import processors
@@ -120,7 +120,7 @@ def request_sampling(ar, knobs: dict, bias_ids, bias_vals, vocab: int):
     pen = processors.Penalties(bias=jnp.zeros((vocab,), jnp.float32).at[bias_ids].add(bias_vals),
                                repetition=knobs["repetition"], frequency=knobs["frequency"],
                                presence=knobs["presence"])
-    return ar.SamplingParams(knobs["temperature"], knobs["top_k"], knobs["top_p"], knobs["min_p"], pen)
+    return ar.TracedSampling(knobs["temperature"], knobs["top_k"], knobs["top_p"], knobs["min_p"], pen)
 
 
 def static_sampling(sp, features: frozenset, engine_top_k: int):
