@@ -52,9 +52,10 @@ from relf_jax.dws import cost_model as cm
 from relf_jax.dws import predictor as pr
 from relf_jax.dws.metrics import cost_errors
 from relf_jax.dws.surface import check_surface, executed_map
-from relf_jax.dws.workload import decode_labels, decode_settings, timed_runs, with_dtype, workload_prompts
+from relf_jax.dws.workload import decode_labels, timed_runs, with_dtype, workload_prompts
 from relf_jax.io import write_json
 from relf_jax.loading import load_model
+from relf_jax.sampling.block_diffusion import decode_settings
 from relf_jax.serving.scheduler import FCFS, SJF, aging_for
 from relf_jax.serving.simulator import load_sweep
 
