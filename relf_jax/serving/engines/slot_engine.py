@@ -10,6 +10,7 @@ rows as a `StepOutput`).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 import time
@@ -65,29 +66,33 @@ class SlotEngine(Engine):
         self._jit_free = jax.jit(_mark_free, donate_argnums=(0,))
 
     # the subclass's parts
+    @abc.abstractmethod
     def weight_args(self) -> tuple:
-        raise NotImplementedError
+        """The weights the jitted calls take (target, and draft or table where there is one)."""
 
+    @abc.abstractmethod
     def padded(self, prompt: Sequence[int]):
         """(padded prompts [1, bucket], lengths [1], the prefill's static settings)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def prefix_data(self, weights, prompts, lengths, seed, knobs, bias_ids, bias_vals, settings, features):
         """(slot data, first token, done, its log-probs or None) of one padded prompt: traced."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def step_all(self, weights, slots, features: frozenset):
         """(slots, rows [slots, steps, width] int32) of one `generate` call: traced."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def cache_span(self, state) -> int:
-        raise NotImplementedError
+        """The KV positions the live slots of `state` occupy."""
 
+    @abc.abstractmethod
     def resize_slots(self, slots, span: int):
-        raise NotImplementedError
+        """`slots` with its caches cut or grown to `span` positions."""
 
+    @abc.abstractmethod
     def step_output(self, rows: list, model_s: float, ready_early: bool) -> StepOutput:
-        raise NotImplementedError
+        """The `StepOutput` of one collected call's rows."""
 
     # the shared body
     def request_args(self, p: RequestParams) -> dict:
