@@ -398,16 +398,15 @@ def test_bench_lean_route_comparison_on_mock_servers(tmp_path):
     from experiments.bench.serve_servers import ServerProcess, batch1_run, lean_route_batch1
 
     bodies = [{"model": "mock", "stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": f"hi {i}"}]}
-              for i in range(6)]
+              for i in range(4)]
     args = ["--mock", "--mock-step-ms", "1", "--model-name", "mock"]
     with ServerProcess(args, str(tmp_path / "lean.log")) as lean:
         first = batch1_run(lean, bodies)
-        out = lean_route_batch1(lean, first, {"stack": ([*args, "--no-lean-routes"], str(tmp_path / "stack.log")),
-                                               "no_overlap": ([*args, "--overlap", "off"],
-                                                              str(tmp_path / "no_overlap.log"))},
+        # one variant of the bench's two: each is one more server process, and the loop is the same
+        out = lean_route_batch1(lean, first, {"stack": ([*args, "--no-lean-routes"], str(tmp_path / "stack.log"))},
                                  bodies, 2)
-    names = ("lean", "stack", "no_overlap")
-    assert [len(out[k]["server_ms"]) for k in names] == [3, 2, 2]
+    names = ("lean", "stack")
+    assert [len(out[k]["server_ms"]) for k in names] == [3, 2]
     assert all(ms > 0 for k in names for ms in out[k]["server_ms"])
     assert all(out[f"{k}_over_lean_{m}"] > 0 for k in names[1:] for m in ("server_ms", "e2e"))
     assert set(out["median_server_overhead_share"]) == set(names)
