@@ -180,7 +180,7 @@ def test_bad_inputs_give_one_clear_error(tmp_path, llama_dir):
 
 SHARDED_SCRIPT = r"""
 import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx

@@ -137,7 +137,7 @@ def _one_device_mesh():
 
 MULTIDEVICE_SCRIPT = r"""
 import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 import dataclasses, json, sys
 import jax, numpy as np
 sys.path.insert(0, sys.argv[1])
