@@ -16,7 +16,7 @@ import time
 from typing import Optional, Sequence
 
 import relf_jax as rj
-from relf_jax.config import SpeculativeConfig, make_config
+from relf_jax.config import make_config
 from relf_jax.data.prepare import prepare_data
 from relf_jax.data.tokenizer import encode_prompt
 from relf_jax.eval.baselines import positional_unigram_samples
@@ -25,6 +25,7 @@ from relf_jax.flow.generate import sample_relf
 from relf_jax.flow.recipes import reflow
 from relf_jax.io import write_json
 from relf_jax.loading import load_model
+from relf_jax.methods import DraftModel, NgramTable, Speculative
 from relf_jax.sampling.recipes import sample_bd
 from relf_jax.speculative.recipes import sample, train_draft
 from relf_jax.train.metrics import read_metrics
@@ -130,15 +131,13 @@ def _speculative_rows(cfg, lm, judge, *, quick: bool) -> list[dict]:
     train_draft(cfg.workdir, [f"train.steps={max(1, cfg.train.steps // 2)}"])
     draft = load_model(os.path.join(cfg.workdir, "draft"), "ar")
     rows = []
-    for rule, proposer in (("standard", "draft"), ("nsd", "draft"), ("nsd", "corpus_ngram")):
-        spc = SpeculativeConfig(rule=rule, k=4, nsd_top_p=0.9, proposer=proposer)
-        s = sample(lm, sample_cfg=sc, speculative=spc, draft=draft if proposer == "draft" else None)
+    for rule, proposer in (("standard", DraftModel(draft)), ("nsd", DraftModel(draft)), ("nsd", NgramTable())):
+        s = sample(lm, sample_cfg=sc, method=Speculative(rule=rule, k=4, nsd_top_p=0.9, proposer=proposer))
         rows.append(_row(f"spec {rule}" + (" p=0.9" if rule == "nsd" else "") + " k=4"
-                         + (" corpus n-gram" if proposer == "corpus_ngram" else ""),
+                         + (" corpus n-gram" if isinstance(proposer, NgramTable) else ""),
                          round(s.target_forwards / len(s.texts), 1), evaluate_samples(s, judge), tau=s.tau))
     rcsd_draft = _rcsd_draft(lm, draft, judge, os.path.join(cfg.workdir, "rcsd"), quick=quick)
-    s = sample(lm, sample_cfg=sc, speculative=SpeculativeConfig(rule="nsd", k=4, nsd_top_p=0.9),
-                         draft=rcsd_draft)
+    s = sample(lm, sample_cfg=sc, method=Speculative(rule="nsd", k=4, nsd_top_p=0.9, proposer=DraftModel(rcsd_draft)))
     rows.append(_row("spec nsd p=0.9 k=4 rcsd draft", round(s.target_forwards / len(s.texts), 1),
                      evaluate_samples(s, judge), tau=s.tau))
     return rows

@@ -12,16 +12,13 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Optional, Union
 
 from relf_jax.checkpoint import LoadedModel
-from relf_jax.config import Config, SpeculativeConfig
+from relf_jax.config import Config
 from relf_jax.errors import UserError
 from relf_jax.loading import load
 from relf_jax.methods import (
     Autoregressive,
-    DraftModel,
     Flow,
     Method,
-    NgramTable,
-    PromptLookup,
     SamplingParams,
     Speculative,
     family_of,
@@ -48,32 +45,6 @@ def as_model(model: Union[str, LoadedModel]) -> LoadedModel:
     return load(model) if isinstance(model, str) else model
 
 
-def speculative_config(method: Speculative) -> SpeculativeConfig:
-    """The run-config form of a `Speculative` method (a loaded draft model is passed separately)."""
-    p = method.proposer
-    base = SpeculativeConfig(rule=method.rule, k=method.k, proposer=method.proposer_name, nsd_top_p=method.nsd_top_p)
-    if isinstance(p, PromptLookup):
-        return dataclasses.replace(base, ngram=p.ngram)
-    if isinstance(p, NgramTable):
-        return dataclasses.replace(base, corpus_order=p.order, corpus_top_m=p.top_m)
-    return dataclasses.replace(base, draft=p.path_or_model if isinstance(p.path_or_model, str) else "")
-
-
-def _speculative(lm: LoadedModel, prompts, n, sc, method: Speculative, warmup: bool) -> Samples:
-    from relf_jax.speculative.recipes import corpus_ngram_table, load_draft, sample
-
-    spc = speculative_config(method)
-    p, draft, table = method.proposer, None, None
-    if isinstance(p, DraftModel):
-        draft = p.path_or_model if isinstance(p.path_or_model, LoadedModel) else load_draft(lm, spc)
-    if isinstance(p, NgramTable):
-        if p.online:
-            raise UserError("NgramTable(corpus=('online',)) counts the traffic served: use it with ChatModel "
-                            "or relf-jax serve; generate takes files (or no corpus: the training data)")
-        table = corpus_ngram_table(lm, p.order, p.top_m, files=p.files)
-    return sample(lm, prompts, n, sc, warmup=warmup, speculative=spc, draft=draft, ngram_table=table)
-
-
 def sample(model: Union[str, LoadedModel], prompts: Prompts = None, params: Optional[SamplingParams] = None,
            method: Optional[Method] = None, *, num_samples: Optional[int] = None, warmup: bool = False) -> Samples:
     """`generate`, returning `Samples`: texts with token ids, completeness and speed.
@@ -95,7 +66,9 @@ def sample(model: Union[str, LoadedModel], prompts: Prompts = None, params: Opti
 
         out = sample_ar(lm, prompts, n, sc, warmup=warmup)
     elif isinstance(method, Speculative):
-        out = _speculative(lm, prompts, n, sc, method, warmup)
+        from relf_jax.speculative.recipes import sample as sample_speculative
+
+        out = sample_speculative(lm, prompts, n, sc, warmup=warmup, method=method)
     elif isinstance(method, Flow):
         from relf_jax.flow.generate import sample_relf
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from experiments.bench.serve_client import chat_bodies
+from relf_jax.methods import parse_method
 from relf_jax.serving.batching import GenerationRequest
 from relf_jax.serving.chat_template import encode_chat
 from relf_jax.serving.engine_api import RequestParams
@@ -19,7 +20,7 @@ from relf_jax.serving.loading import build_models
 
 
 def engine_kw(args: Sequence[str]) -> tuple[str, dict]:
-    """(generator, `load_engine` keywords) of a `SPEC_ENGINES` argument list."""
+    """(generator, `relf_jax.methods.parse_method` keywords) of a `SPEC_ENGINES` argument list."""
     opts = dict(zip(args[::2], args[1::2]))
     return opts.pop("--generator"), {k.lstrip("-").replace("-", "_"): v for k, v in opts.items()}
 
@@ -77,12 +78,11 @@ def batcher_part(workdir: str, sz, prompts, engines) -> dict:
     try:
         for gen, extra in engines:
             generator, kw = engine_kw(extra)
-            if sz.max_context is not None:
-                kw["max_context"] = sz.max_context
+            method = parse_method(generator, k=sz.k, **kw)  # as `relf-jax serve` parses the same arguments
             print(f"[bench serve] {gen} engine in process: compiling", flush=True)
             with contextlib.redirect_stderr(sys.stdout):
-                served[gen] = build_models(workdir, [generator], model_name="m", slots=sz.slots, k=sz.k,
-                                           **kw)["m"][0]
+                served[gen] = build_models(workdir, [method], model_name="m", slots=sz.slots,
+                                           max_context=sz.max_context)["m"][0]
         one = served["ar"]  # every engine shares the model's tokenizer and template
         bodies = chat_bodies(prompts[:sz.requests], "m", max_tokens=sz.max_tokens, temperature=sz.temperature,
                              seed=sz.seed)

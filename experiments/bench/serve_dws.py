@@ -15,6 +15,7 @@ from experiments.bench.serve_client import chat_bodies, run_load, summarize_run
 from experiments.bench.serve_servers import ServerProcess, batch1_run
 from relf_jax.dws.predictor import WorkloadCost
 from relf_jax.loading import load_model
+from relf_jax.methods import BlockDiffusion
 from relf_jax.serving.http import serve
 from relf_jax.serving.loading import build_models
 from relf_jax.serving.scheduler import FCFS, SJF, aging_for
@@ -53,8 +54,9 @@ def policies_server_child(spec: dict) -> None:
     cost = WorkloadCost(load_model(spec["predictor"], "dws"), spec["cost_model"])
     models = {}
     for policy in ("fcfs", "sjf"):
-        models.update(build_models(spec["workdir"], ["bd"], model_name=policy, slots=1, max_queue=spec["max_queue"],
-                                   policy=policy, aging=spec["aging"], cost_fn=cost if policy == "sjf" else None))
+        models.update(build_models(spec["workdir"], [BlockDiffusion()], model_name=policy, slots=1,
+                                   max_queue=spec["max_queue"], policy=policy, aging=spec["aging"],
+                                   cost_fn=cost if policy == "sjf" else None))
     serve(models, host="127.0.0.1", port=spec["port"], log_level="warning")
 
 

@@ -17,8 +17,8 @@ import time
 from collections.abc import Sequence
 
 from experiments.bench.common import ensure_target_and_draft, find_row, held_out_prompts, reply_quality
-from relf_jax.config import SpeculativeConfig
 from relf_jax.io import write_json
+from relf_jax.methods import Autoregressive, Speculative, parse_proposer
 from relf_jax.speculative.cost import forward_costs
 
 
@@ -46,10 +46,9 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
             sc = dataclasses.replace(cfg.sample, batch_size=batch, max_new_tokens=max_new, temperature=temperature,
                                      top_k=0, top_p=1.0, seed=0)
             for method, rule, proposer, nsd in variants:
-                spc = SpeculativeConfig(rule=rule, k=k, proposer=proposer if proposer != "-" else "draft",
-                                        nsd_top_p=nsd or 0.9)
-                s = sample(lm, prompts=prompts, sample_cfg=sc, speculative=spc,
-                                     draft=draft if proposer == "draft" else None)
+                chosen = Autoregressive() if rule == "none" else Speculative(
+                    rule=rule, k=k, nsd_top_p=nsd or 0.9, proposer=parse_proposer(proposer, draft=draft))
+                s = sample(lm, prompts=prompts, sample_cfg=sc, method=chosen)
                 q = reply_quality(judge, prompts, s.texts, s.complete)
                 q = {"gen_ppl": q["gen_ppl"], "entropy": q["entropy"]}
                 row = {"method": method if rule == "none" else f"{rule}" + (f"@{nsd}" if nsd else ""),

@@ -70,6 +70,7 @@ def _cost_fn(args):
 
 def serve(args) -> int:
     from relf_jax.errors import UserError
+    from relf_jax.methods import parse_method
     from relf_jax.serving.chat_template import ChatTemplate
     from relf_jax.serving.http import serve as run_server
     from relf_jax.serving.loading import build_models
@@ -80,13 +81,14 @@ def serve(args) -> int:
     if args.ngram_corpus and args.proposer != "corpus_ngram":
         raise UserError("--ngram-corpus is for --proposer corpus_ngram")
     template = ChatTemplate.from_file(args.chat_template) if args.chat_template else None
-    models = build_models(args.model_path or args.workdir, args.generator or ["ar"], model_name=args.model_name,
+    # the edge: the command line's names become method objects here, once
+    chosen = [parse_method(g, proposer=args.proposer, k=args.k, nsd_top_p=args.nsd_top_p, nfe=args.nfe,
+                           threshold=args.threshold, draft=args.draft, corpus=args.ngram_corpus,
+                           online_tokens=args.ngram_online_tokens) for g in args.generator or ["ar"]]
+    models = build_models(args.model_path or args.workdir, chosen, model_name=args.model_name,
                           slots=args.slots, max_queue=args.max_queue, policy=args.policy, aging=args.aging,
                           template=template, cost_fn=cost_fn, mock=args.mock, mock_step_s=args.mock_step_ms / 1e3,
-                          k=args.k, proposer=args.proposer, draft=args.draft, nsd_top_p=args.nsd_top_p, nfe=args.nfe,
-                          threshold=args.threshold, steps_per_call=args.steps_per_call,
-                          max_context=args.max_context, ngram_corpus=args.ngram_corpus,
-                          ngram_online_tokens=args.ngram_online_tokens,
+                          steps_per_call=args.steps_per_call, max_context=args.max_context,
                           overlap={"auto": None, "on": True, "off": False}[args.overlap])
     name = next(iter(models))
     print(f"[serve] model {name!r} with {', '.join(s.generator for s in models[name])} on "

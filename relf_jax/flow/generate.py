@@ -17,6 +17,7 @@ from relf_jax.errors import UserError
 from relf_jax.flow.lengths import draw_segment_lengths, flow_lengths, segment_rows
 from relf_jax.flow.samplers import FlowSamplerSettings
 from relf_jax.flow.samplers import sample as flow_sample
+from relf_jax.methods import Flow
 from relf_jax.sampling.batch import Samples, collect, cut_at_stop, prompt_ids, samples_from_rows, timed_chunks
 
 
@@ -60,17 +61,13 @@ def flow_prompt_mode(lm) -> str:
     return "clean" if lm.model_cfg.flow_prompt_input else "renoise"
 
 
-def sampler_settings(lm, *, nfe=None, sampler=None, guidance=None, renoise=None,
-                     prompt_mode=None) -> FlowSamplerSettings:
-    """The flow sampler's settings for `lm`: the arguments given, else the model's ``cfg.flow``."""
-    f = lm.cfg.flow
-    mode = prompt_mode or flow_prompt_mode(lm)
+def sampler_settings(lm, method: Flow) -> FlowSamplerSettings:
+    """The flow sampler's settings for `lm` decoding with `method` (a `relf_jax.methods.Flow`):
+    its fields, else the model's ``cfg.flow``; its prompt mode, else `flow_prompt_mode(lm)`."""
+    mode = method.prompt_mode or flow_prompt_mode(lm)
     if mode == "clean" and not lm.model_cfg.flow_prompt_input:
         raise UserError("prompt_mode='clean' needs a ReLF model trained with flow.prompt_prob > 0")
-    return FlowSamplerSettings(nfe=nfe or f.nfe, grid=f.grid, sampler=sampler or f.sampler,
-                               c=f.residual_bound, guidance=f.guidance if guidance is None else guidance,
-                               use_singular=f.use_singular, t_eps=f.t_eps, gamma=f.gamma,
-                               renoise=renoise or f.renoise, prompt=mode)
+    return FlowSamplerSettings.from_method(method, lm.cfg.flow, prompt=mode)
 
 
 def length_prior(lm, length: int) -> Optional[np.ndarray]:
@@ -106,8 +103,8 @@ def sample_relf(lm, n: Optional[int] = None, *, prompts: Optional[Sequence[str]]
     trained on segment rows (`flow_lengths`) writes one segment per row, of a length drawn from
     its training segments' lengths (with a prompt: longer than the prompt), and pad after it.
     """
-    settings = sampler_settings(lm, nfe=nfe, sampler=sampler, guidance=guidance, renoise=renoise,
-                                prompt_mode=prompt_mode)
+    settings = sampler_settings(lm, Flow(nfe=nfe, sampler=sampler, guidance=guidance, renoise=renoise,
+                                         prompt_mode=prompt_mode))
     table = jnp.asarray(flow_table(lm))
     length = length or lm.cfg.data.seq_len
     bs = batch_size or lm.cfg.sample.batch_size

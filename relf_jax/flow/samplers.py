@@ -34,8 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from relf_jax.config import FlowConfig
 from relf_jax.flow.singular import DEFAULT_T_EPS, posterior_logits
 from relf_jax.flow.step import flow_step
+from relf_jax.methods import Flow
 
 ResidualFn = Callable[..., jax.Array]  # (z, t, sc) -> residual logits; (z, t, sc, known_mask) for "clean" prompts
 
@@ -86,6 +88,16 @@ class FlowSamplerSettings:
             raise ValueError(f"t_eps must lie in (0, 1), got {self.t_eps}")
         if self.gamma < 0:
             raise ValueError(f"gamma must be >= 0, got {self.gamma}")
+
+    @classmethod
+    def from_method(cls, method: Flow, flow: FlowConfig, prompt: str = "renoise") -> FlowSamplerSettings:
+        """The settings of `method` (a `relf_jax.methods.Flow`) on a model whose run config has
+        `flow` (``cfg.flow``): the method's fields, the config's where the method leaves them None;
+        `prompt` as the model was trained (`relf_jax.flow.generate.flow_prompt_mode`)."""
+        return cls(nfe=method.nfe or flow.nfe, grid=flow.grid, sampler=method.sampler or flow.sampler,
+                   c=flow.residual_bound, guidance=flow.guidance if method.guidance is None else method.guidance,
+                   use_singular=flow.use_singular, t_eps=flow.t_eps, gamma=flow.gamma,
+                   renoise=method.renoise or flow.renoise, prompt=prompt)
 
 
 def time_grid(nfe: int, kind: str = "uniform") -> jax.Array:

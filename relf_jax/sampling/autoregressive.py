@@ -42,6 +42,13 @@ class DecodeSettings:
     pad_id: int = 0
     track_tokens: bool = False  # keep per-row token counts (`DecodeState.counts`) for the penalties
 
+    @classmethod
+    def from_tokenizer(cls, tokenizer, max_new_tokens: int, *, track_tokens: bool = False) -> DecodeSettings:
+        """The settings of a model with `tokenizer` (its EOS and pad ids): `Autoregressive` has no
+        fields of its own, so the tokenizer and the length are all there is to copy."""
+        return cls(max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                   track_tokens=track_tokens)
+
 
 @flax.struct.dataclass
 class DecodeState:

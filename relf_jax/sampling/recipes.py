@@ -32,8 +32,7 @@ def fit_new_tokens(prompt_len: int, max_new_tokens: int, max_seq_len: int, extra
 
 def ar_batch(lm, sc: SampleConfig):
     """``run(prompts, lengths, key) -> (tokens, lengths, state)`` of AR decoding with `sc`."""
-    settings = ar.DecodeSettings(max_new_tokens=sc.max_new_tokens, eos_id=lm.tokenizer.eos_id,
-                                 pad_id=lm.tokenizer.pad_id)
+    settings = ar.DecodeSettings.from_tokenizer(lm.tokenizer, sc.max_new_tokens)
     params = ar.TracedSampling.make(sc.temperature, sc.top_k, sc.top_p)
 
     def run(arr, lens, key):
@@ -92,7 +91,7 @@ def stream_reply(lm, prompt: str, sample_cfg: Optional[SampleConfig] = None) -> 
     ar.check_context(len(ids), sc.max_new_tokens, lm.model_cfg.max_seq_len)
     arr, lens = ar.pad_prompts([ids], tok.pad_id, min(ar.prompt_bucket(len(ids)),
                                                       lm.model_cfg.max_seq_len - sc.max_new_tokens))
-    settings = ar.DecodeSettings(max_new_tokens=sc.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    settings = ar.DecodeSettings.from_tokenizer(tok, sc.max_new_tokens)
     out: list[int] = []
     shown = ""
     for toks, emitted in ar.stream(lm.graphdef, lm.params, arr, lens, jax.random.key(sc.seed),

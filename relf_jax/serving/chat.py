@@ -20,10 +20,11 @@ from collections.abc import Iterator, Sequence
 from typing import Self
 
 from relf_jax.errors import UserError
+from relf_jax.methods import Autoregressive
 from relf_jax.serving.batching import Batcher, Event, GenerationRequest
 from relf_jax.serving.chat_template import ChatTemplate, encode_chat
 from relf_jax.serving.engine_api import Engine, RequestParams
-from relf_jax.serving.loading import engine_for, load_engine
+from relf_jax.serving.loading import engine_for
 from relf_jax.serving.scheduler import Policy
 
 
@@ -44,19 +45,19 @@ class ChatModel:
         self.batcher = Batcher(engine, policy, max_queue=max_queue).start()
 
     @classmethod
-    def load(cls, workdir: str, generator: str | None = None, *, method=None,
-             template: ChatTemplate | str | None = None, slots: int = 4, **engine_kw) -> ChatModel:
+    def load(cls, workdir: str, method=None, *, template: ChatTemplate | str | None = None, slots: int = 4,
+             **engine_kw) -> ChatModel:
         """Load the checkpoint in `workdir` to decode with `method` (a `relf_jax.methods` object:
         ``Autoregressive()``, the default, ``Speculative(...)``, ``Flow(...)``, ``BlockDiffusion(...)``;
-        `engine_kw`: top_k, steps_per_call, max_context, see `engine_for`) or, as the CLI names
-        it, with a `generator` string and `load_engine`'s keywords."""
+        the CLI's names become one with `relf_jax.methods.parse_method`); `engine_kw`: top_k,
+        steps_per_call, max_context, see `engine_for`."""
         if isinstance(template, str):
             template = ChatTemplate.from_file(template)
-        if method is not None:
-            if generator is not None:
-                raise UserError("ChatModel.load takes a method or a generator name, not both")
-            return cls(engine_for(workdir, method, slots=slots, **engine_kw), template)
-        return cls(load_engine(workdir, generator or "ar", slots=slots, **engine_kw), template)
+        if isinstance(method, str):
+            raise UserError(f"ChatModel.load takes a method object, not the name {method!r}: e.g. "
+                            "relf_jax.Speculative(rule='nsd'), or relf_jax.methods.parse_method(name)")
+        return cls(engine_for(workdir, method if method is not None else Autoregressive(), slots=slots, **engine_kw),
+                   template)
 
     def prompt_ids(self, messages: Sequence[dict]) -> list[int]:
         return encode_chat(self.engine.tokenizer, self.template, messages)

@@ -1,5 +1,6 @@
 """Speculative decoding recipes on loaded models: the draft (distilled from the target, loaded
-beside it), the corpus n-gram table, and batch sampling with either (`sample`)."""
+beside it), the corpus n-gram table, and batch sampling with a `relf_jax.methods.Speculative`
+method (`sample`)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from typing import Optional, Sequence
 import jax
 
 from relf_jax.checkpoint import LoadedModel
-from relf_jax.config import ModelConfig, SampleConfig, SpeculativeConfig, set_value, validate_sampling
+from relf_jax.config import ModelConfig, SampleConfig, set_value, validate_sampling
 from relf_jax.data import pipeline, sources
 from relf_jax.data import tokenizer as tokenizer_lib
 from relf_jax.data.prepare import prepare_data
 from relf_jax.errors import UserError
 from relf_jax.loading import load_model
+from relf_jax.methods import Autoregressive, DraftModel, Method, NgramTable, Speculative, method_from_config
 from relf_jax.sampling.batch import Samples, prompt_ids
 from relf_jax.sampling.recipes import ar_batch, decode_batches
 from relf_jax.train.loop import TrainResult, train
@@ -63,7 +65,7 @@ def corpus_ngram_table(lm: LoadedModel, order: int = 3, top_m: int = 16, *, file
     if not trained_by_relf_jax(lm):
         raise UserError("proposer corpus_ngram: this model was imported (HuggingFace), and relf_jax does not have "
                         "its training text; name text to count (relf-jax serve --ngram-corpus FILE..., or "
-                        "ngram_corpus=[...] in load_engine / ChatModel.load) or count the traffic served "
+                        "NgramTable(corpus=[...]) in ChatModel.load / generate) or count the traffic served "
                         "(--ngram-corpus online)")
     print(f"[corpus_ngram] the n-gram table counts the model's training corpus (data.source="
           f"{lm.cfg.data.source}, up to {NGRAM_DOCS} documents)", file=sys.stderr, flush=True)
@@ -82,60 +84,76 @@ def corpus_ngram_table(lm: LoadedModel, order: int = 3, top_m: int = 16, *, file
     return table
 
 
-def spec_batch(lm: LoadedModel, sc: SampleConfig, spc: SpeculativeConfig, draft: Optional[LoadedModel],
+def spec_batch(lm: LoadedModel, sc: SampleConfig, method: Speculative, draft: Optional[LoadedModel] = None,
                ngram_table=None):
-    """``run(prompts, lengths, key) -> (tokens, lengths, state)`` of speculative decoding with `spc`
-    (proposer "corpus_ngram": `ngram_table`, default the training corpus's `corpus_ngram_table`)."""
+    """``run(prompts, lengths, key) -> (tokens, lengths, state)`` of speculative decoding with
+    `method` (a `relf_jax.methods.Speculative`) and `sc`; `draft` (a `DraftModel` proposer) or
+    `ngram_table` (an `NgramTable` proposer) resolved (`proposer_inputs`)."""
     from relf_jax.speculative import generate as spec
 
-    settings = spec.SpecSettings(k=spc.k, rule=spc.rule, proposer=spc.proposer, max_new_tokens=sc.max_new_tokens,
-                                 eos_id=lm.tokenizer.eos_id, pad_id=lm.tokenizer.pad_id, ngram=spc.ngram,
-                                 top_k=sc.top_k)
-    params = spec.SpecParams.make(sc.temperature, sc.top_p, spc.nsd_top_p)
-    table = None
-    if spc.proposer == "corpus_ngram":
-        table = ngram_table if ngram_table is not None else corpus_ngram_table(lm, spc.corpus_order, spc.corpus_top_m)
+    settings = spec.SpecSettings.from_method(method, lm.tokenizer, sc.max_new_tokens, top_k=sc.top_k)
+    params = spec.SpecParams.make(sc.temperature, sc.top_p, method.nsd_top_p)
 
     def run(arr, lens, key):
         state = spec.generate(lm.graphdef, lm.params, arr, lens, key, params, settings,
                               draft_graphdef=draft.graphdef if draft else None,
-                              draft_params=draft.params if draft else table)
+                              draft_params=draft.params if draft else ngram_table)
         return state.tokens, state.lengths, state
 
     return run
 
 
-def load_draft(lm: LoadedModel, spc: SpeculativeConfig, workdir: Optional[str] = None) -> LoadedModel:
-    """The draft model for speculative decoding: `spc.draft` or ``<workdir>/draft``."""
-    path = spc.draft or os.path.join(workdir or lm.cfg.workdir, "draft")
+def load_draft(lm: LoadedModel, path: Optional[str] = None) -> LoadedModel:
+    """The draft model for speculative decoding: the run folder `path` or ``<lm's workdir>/draft``."""
+    path = path or os.path.join(lm.cfg.workdir, "draft")
     draft = load_model(path, "ar")
     if not tokenizer_lib.same_tokenization(draft.tokenizer, lm.tokenizer):
         raise UserError(f"the draft in {path} uses another tokenizer than the target")
     return draft
 
 
+def proposer_inputs(lm: LoadedModel, method: Speculative, ngram_table=None):
+    """(draft model, n-gram table) of `method`'s proposer for batch sampling: a `DraftModel`'s
+    loaded model (or the one `load_draft` reads from its path), an `NgramTable`'s `ngram_table`
+    (default: `corpus_ngram_table` of its files, or of the training data); None where the
+    proposer takes none."""
+    p = method.proposer
+    if isinstance(p, DraftModel):
+        if isinstance(p.path_or_model, (str, type(None))):
+            return load_draft(lm, p.path_or_model), None
+        return p.path_or_model, None
+    if isinstance(p, NgramTable):
+        if ngram_table is not None:
+            return None, ngram_table
+        if p.online:
+            raise UserError("NgramTable(corpus=('online',)) counts the traffic served: use it with ChatModel "
+                            "or relf-jax serve; batch sampling takes files (or no corpus: the training data)")
+        return None, corpus_ngram_table(lm, p.order, p.top_m, files=p.files)
+    return None, None
+
+
 def sample(lm: LoadedModel, prompts: Optional[Sequence[str]] = None, n: Optional[int] = None,
-           sample_cfg: Optional[SampleConfig] = None, warmup: bool = True,
-           speculative: Optional[SpeculativeConfig] = None, draft: Optional[LoadedModel] = None,
+           sample_cfg: Optional[SampleConfig] = None, warmup: bool = True, *, method: Optional[Method] = None,
            ngram_table=None) -> Samples:
     """Sample replies, `batch_size` prompts at a time, autoregressively or speculatively.
 
     prompts: texts to continue (default: `n` empty prompts, i.e. unconditional conversations).
-    speculative: a `SpeculativeConfig` with rule != "none" decodes with a draft model (`draft`,
-    for proposer "draft"), prompt lookup or the corpus n-gram table (`ngram_table`, default
-    `corpus_ngram_table` of the training data); None:
-    the model's ``speculative`` settings. With `warmup`, the batch shape is compiled before the
-    clock starts.
+    method: `Autoregressive()` or `Speculative(...)` (`relf_jax.methods`; its proposer's draft
+    model, prompt lookup or corpus n-gram table, `proposer_inputs`; `ngram_table`: a table built
+    already); None: the model's ``speculative`` settings (`relf_jax.methods.method_from_config`).
+    With `warmup`, the batch shape is compiled before the clock starts.
     """
     sc = sample_cfg or lm.cfg.sample
     validate_sampling(sc.temperature, sc.top_k, sc.top_p)
     ids = prompt_ids(lm.tokenizer, prompts, n or sc.num_samples)
-    spc = speculative if speculative is not None else lm.cfg.speculative
-    if spc.rule == "none":
+    method = method if method is not None else method_from_config(lm.cfg)
+    if isinstance(method, Autoregressive):
         return decode_batches(lm, ids, sc, ar_batch(lm, sc), warmup=warmup)
-    if spc.proposer == "draft" and draft is None:
-        draft = load_draft(lm, spc)
-    return decode_batches(lm, ids, sc, spec_batch(lm, sc, spc, draft, ngram_table), extra=spc.k + 1, warmup=warmup,
+    if not isinstance(method, Speculative):
+        raise UserError(f"speculative.recipes.sample decodes Autoregressive() or Speculative(...), got {method!r}")
+    draft, table = proposer_inputs(lm, method, ngram_table)
+    return decode_batches(lm, ids, sc, spec_batch(lm, sc, method, draft, table), extra=method.k + 1,
+                          warmup=warmup,
                           count_forwards=lambda state, rows: int(jax.device_get(state.target_forwards)[:rows].sum()))
 
 

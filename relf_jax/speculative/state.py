@@ -12,6 +12,7 @@ from flax import nnx
 
 from relf_jax.config import PROPOSERS, validate_sampling
 from relf_jax.errors import UserError
+from relf_jax.methods import PromptLookup, Speculative, proposer_name
 from relf_jax.sampling import processors
 from relf_jax.speculative.verify import RULES
 
@@ -43,6 +44,16 @@ class SpecSettings:
             raise UserError(f"unknown proposer {self.proposer!r}; choose one of: {', '.join(PROPOSERS)}")
         if self.trace_top_k < 0:
             raise UserError(f"trace_top_k must be >= 0, got {self.trace_top_k}")
+
+    @classmethod
+    def from_method(cls, method: Speculative, tokenizer, max_new_tokens: int, **kw) -> SpecSettings:
+        """The settings of `method` (a `relf_jax.methods.Speculative`) for a model with `tokenizer`
+        (its EOS and pad ids); `kw`: the other fields (top_k, use_kernel, trace_top_k, track_tokens).
+        The rule and proposer become this module's static tags (jit keys)."""
+        p = method.proposer
+        return cls(k=method.k, rule=method.rule, proposer=proposer_name(p), max_new_tokens=max_new_tokens,
+                   eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                   ngram=p.ngram if isinstance(p, PromptLookup) else PromptLookup().ngram, **kw)
 
 
 @flax.struct.dataclass

@@ -50,14 +50,12 @@ class AREngine(SlotEngine):
         self.max_context = engine_context(lm.model_cfg.max_seq_len, max_context)
         self.stop_ids = turn_stop_ids(lm.tokenizer)
         # the step never stops a slot on length (the server does, per request)
-        self._step_settings = ar.DecodeSettings(max_new_tokens=self.max_context, eos_id=lm.tokenizer.eos_id,
-                                                pad_id=lm.tokenizer.pad_id, track_tokens=True)
+        self._step_settings = ar.DecodeSettings.from_tokenizer(lm.tokenizer, self.max_context, track_tokens=True)
         self._weights = Leaves(lm.params)
         self.setup()
 
     def _settings(self, bucket: int):
-        return self._ar.DecodeSettings(max_new_tokens=self.max_context - bucket, eos_id=self.tokenizer.eos_id,
-                                       pad_id=self.tokenizer.pad_id, track_tokens=True)
+        return self._ar.DecodeSettings.from_tokenizer(self.tokenizer, self.max_context - bucket, track_tokens=True)
 
     def weight_args(self) -> tuple:
         return (self._weights.leaves,)

@@ -14,6 +14,7 @@ from flax import nnx
 
 from relf_jax.data.tokenizer import turn_stop_ids
 from relf_jax.errors import UserError
+from relf_jax.methods import BlockDiffusion
 from relf_jax.serving.engine_api import Engine, Prefix, RequestParams, StepOutput
 from relf_jax.serving.engines.slots import Leaves, bucket_for, free_all_slots, set_slot, stack_slots
 
@@ -36,10 +37,10 @@ class BlockDiffusionEngine(Engine):
     needs (a slot whose block is done idles until the others finish theirs), then the refresh
     forward; the step's output is each slot's committed block. Temperature 0 is greedy; > 0
     samples tokens (inverse CDF, `processors.sample`) per slot. `top_p` does not apply.
+    `method`: a `relf_jax.methods.BlockDiffusion` (a threshold left None: 0.95; a confidence, "max").
     """
 
-    def __init__(self, lm, num_slots: int = 8, *, threshold: float = 0.95, name: str = "bd"):
-        from relf_jax.models.block_diffusion import mask_id
+    def __init__(self, lm, num_slots: int = 8, *, method: BlockDiffusion = BlockDiffusion(), name: str = "bd"):
         from relf_jax.sampling import block_diffusion as bdd
 
         if lm.model_cfg.family != "bd":
@@ -52,9 +53,8 @@ class BlockDiffusionEngine(Engine):
         self.max_context = (lm.model_cfg.max_seq_len // d) * d
         self.stop_ids = turn_stop_ids(lm.tokenizer, pad=True)
         self.tokens_per_step = d
-        self.settings = bdd.BlockDecodeSettings(block_size=d, max_blocks=1, mask_id=mask_id(lm.model_cfg),
-                                                pad_id=lm.tokenizer.pad_id, stop_ids=self.stop_ids,
-                                                threshold=threshold)
+        self.settings = bdd.decode_settings(lm, max_blocks=1, threshold=0.95 if method.threshold is None
+                                            else method.threshold, confidence=method.confidence or "max")
         self._weights = Leaves(lm.params)
         self._jit_step = jax.jit(self._step_all, donate_argnums=(1,))
         self._jit_insert = jax.jit(set_slot, donate_argnums=(0,))

@@ -13,6 +13,7 @@ from flax import nnx
 
 from relf_jax.data.tokenizer import turn_stop_ids
 from relf_jax.errors import UserError
+from relf_jax.methods import Flow
 from relf_jax.serving.engine_api import Engine, Prefix, RequestParams, StepOutput
 from relf_jax.serving.engines.slots import Leaves, set_slot, stack_slots
 
@@ -33,26 +34,22 @@ class ReLFEngine(Engine):
     follows the prompt up to the first stop token. A model trained with clean, flagged prompts
     (``flow.prompt_prob`` > 0) sees the prompt as it is; any other model sees it redrawn on the
     path of its token embeddings (``t * e + (1 - t) * eps``, fresh eps) before every call (see
-    `relf_jax.flow.samplers`). `nfe` network calls per reply; temperature and top_p do not apply
-    (the sampler's own noise, seeded per request, makes the choice). A model trained on segment
+    `relf_jax.flow.samplers`). `method`: a `relf_jax.methods.Flow` (fields left None: the
+    model's ``cfg.flow``; its `length` does not apply, a row is ``data.seq_len`` long), `nfe`
+    network calls per reply; temperature and top_p do not apply (the sampler's own noise, seeded
+    per request, makes the choice). A model trained on segment
     rows writes one segment of a length drawn (seeded per request) from its training segments'
     lengths, longer than the prompt (`relf_jax.flow.lengths.flow_lengths`).
     """
 
-    def __init__(self, lm, num_slots: int = 8, *, nfe: int | None = None, name: str = "relf"):
-        from relf_jax.flow.generate import flow_table
+    def __init__(self, lm, num_slots: int = 8, *, method: Flow = Flow(), name: str = "relf"):
+        from relf_jax.flow.generate import flow_table, sampler_settings
         from relf_jax.flow.lengths import flow_lengths
-        from relf_jax.flow.samplers import FlowSamplerSettings
 
         if lm.model_cfg.family != "relf":
             raise UserError(f"the ReLF engine needs a 'relf' model, got {lm.model_cfg.family!r}")
-        f = lm.cfg.flow
         self.lm, self.num_slots, self.name = lm, num_slots, name
-        self.flow_settings = FlowSamplerSettings(nfe=nfe or f.nfe, grid=f.grid, sampler=f.sampler,
-                                                 c=f.residual_bound, guidance=f.guidance,
-                                                 use_singular=f.use_singular, t_eps=f.t_eps, gamma=f.gamma,
-                                                 renoise=f.renoise,
-                                                 prompt="clean" if lm.model_cfg.flow_prompt_input else "renoise")
+        self.flow_settings = sampler_settings(lm, method)
         self.table = jnp.asarray(flow_table(lm), jnp.float32)
         self.tokenizer = lm.tokenizer
         self.length = lm.cfg.data.seq_len

@@ -1,6 +1,6 @@
 """`SpeculativeEngine`: one draft/verify round per step, 1..k+1 tokens (the round of
-`relf_jax.speculative.generate`; standard / NSD / greedy rule; draft model, prompt lookup or the
-corpus n-gram table)."""
+`relf_jax.speculative.generate`; the `relf_jax.methods.Speculative` method's standard / NSD /
+greedy rule; draft model, prompt lookup or the corpus n-gram table)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import numpy as np
 
 from relf_jax.data.tokenizer import turn_stop_ids
 from relf_jax.errors import UserError
+from relf_jax.methods import DraftModel, NgramTable, Speculative
 from relf_jax.serving.engine_api import LOGPROBS_TOP, SAMPLING_FEATURES, StepOutput
 from relf_jax.serving.engines.slot_engine import SlotEngine
 from relf_jax.serving.engines.slots import (
@@ -33,37 +34,44 @@ from relf_jax.serving.engines.slots import (
 class SpeculativeEngine(SlotEngine):
     """One draft/verify round per step per slot (`relf_jax.speculative.generate`'s round).
 
-    rule: "standard" (exact), "nsd" (nucleus relaxation, `nsd_top_p`) or "greedy"; proposer:
-    "draft" (needs `draft`, a loaded AR model with the same tokenizer), "prompt_lookup" or
-    "corpus_ngram" (needs `ngram_table`, an `NgramDraft`, or `ngram_online`, an
-    `relf_jax.speculative.ngram_draft.OnlineNgram` that counts the requests served and whose
-    new tables `request_finished` swaps in, `update_ngram_table`).
+    method: a `relf_jax.methods.Speculative` (its rule, k, nsd_top_p and proposer). Its proposer
+    `DraftModel` needs the draft, a loaded AR model with the same tokenizer: `draft`, or the
+    proposer's own loaded model; `NgramTable` needs `ngram_table`, an `NgramDraft`, or
+    `ngram_online`, an `relf_jax.speculative.ngram_draft.OnlineNgram` that counts the requests
+    served and whose new tables `request_finished` swaps in (`update_ngram_table`); `PromptLookup`
+    needs neither (`relf_jax.serving.loading.engine_for` resolves them from a checkpoint).
     Implements every `SAMPLING_FEATURES` entry per request, on the target's distribution (the
     round's processed verification, `relf_jax.speculative.generate`).
     """
 
     supported = frozenset(SAMPLING_FEATURES)
 
-    def __init__(self, lm, draft=None, num_slots: int = 8, *, rule: str = "nsd", k: int = 4,
-                 proposer: str = "draft", nsd_top_p: float = 0.9, ngram: int = 3, steps_per_call: int = 1,
-                 name: str | None = None, max_context: int | None = None, ngram_table=None,
-                 ngram_online=None):
+    def __init__(self, lm, num_slots: int = 8, *, method: Speculative, draft=None, ngram_table=None,
+                 ngram_online=None, steps_per_call: int = 1, name: str | None = None,
+                 max_context: int | None = None):
         from relf_jax.speculative import generate as spec
 
         if num_slots < 1:
             raise UserError(f"num_slots must be >= 1, got {num_slots}")
-        if proposer == "draft" and draft is None:
-            raise UserError("the speculative engine with proposer 'draft' needs a draft model")
-        if proposer == "corpus_ngram" and ngram_table is None and ngram_online is not None:
-            ngram_table = ngram_online.table
-        if proposer == "corpus_ngram":
+        if not isinstance(method, Speculative):
+            raise UserError(f"the speculative engine decodes a Speculative(...) method, got {method!r}")
+        p = method.proposer
+        if isinstance(p, DraftModel):
+            draft = draft if draft is not None else (None if isinstance(p.path_or_model, (str, type(None)))
+                                                     else p.path_or_model)
+            if draft is None:
+                raise UserError("the speculative engine with a DraftModel proposer needs a loaded draft model")
+        if isinstance(p, NgramTable):
+            if ngram_table is None and ngram_online is not None:
+                ngram_table = ngram_online.table
             spec.check_ngram_table(ngram_table, lm.model_cfg.vocab_size)
-        self.ngram_table = ngram_table if proposer == "corpus_ngram" else None
-        self.ngram_online = ngram_online if proposer == "corpus_ngram" else None
+        self.ngram_table = ngram_table if isinstance(p, NgramTable) else None
+        self.ngram_online = ngram_online if isinstance(p, NgramTable) else None
         self._spec = spec
-        self.lm, self.draft, self.num_slots = lm, (draft if proposer == "draft" else None), num_slots
-        self.rule, self.k, self.proposer, self.nsd_top_p, self.ngram = rule, k, proposer, nsd_top_p, ngram
-        self.name = name or f"spec-{rule}"
+        self.method = method
+        self.lm, self.draft, self.num_slots = lm, (draft if isinstance(p, DraftModel) else None), num_slots
+        self.k, self.nsd_top_p = method.k, method.nsd_top_p
+        self.name = name or f"spec-{method.rule}"
         self.tokenizer = lm.tokenizer
         self.vocab_size = lm.model_cfg.vocab_size
         model_max = lm.model_cfg.max_seq_len
@@ -72,17 +80,14 @@ class SpeculativeEngine(SlotEngine):
         self.max_context = engine_context(model_max, max_context)
         self.stop_ids = turn_stop_ids(lm.tokenizer)
         self.steps_per_call = check_steps_per_call(steps_per_call)
-        self.tokens_per_step = (k + 1) * self.steps_per_call
+        self.tokens_per_step = (self.k + 1) * self.steps_per_call
         self._step_settings = self._settings(self.max_context)
         self._target_w = Leaves(lm.params)
         self._draft_w = Leaves(self.draft.params) if self.draft is not None else None
         self.setup()
 
     def _settings(self, max_new_tokens: int):
-        tok = self.tokenizer
-        return self._spec.SpecSettings(k=self.k, rule=self.rule, proposer=self.proposer,
-                                       max_new_tokens=max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                                       ngram=self.ngram, track_tokens=True)
+        return self._spec.SpecSettings.from_method(self.method, self.tokenizer, max_new_tokens, track_tokens=True)
 
     def update_ngram_table(self, table) -> None:
         """Use `table` (an `NgramDraft`) from the next prefill / step on. It must have the current
@@ -91,7 +96,7 @@ class SpeculativeEngine(SlotEngine):
         from relf_jax.speculative import ngram_draft
 
         if self.ngram_table is None:
-            raise ValueError(f"the {self.name} engine has no n-gram table (proposer {self.proposer!r})")
+            raise ValueError(f"the {self.name} engine has no n-gram table (proposer {self.method.proposer!r})")
         if not ngram_draft.same_shapes(self.ngram_table, table):
             raise ValueError("the new n-gram table's shapes differ from the current one's (a recompile)")
         self.ngram_table = table
