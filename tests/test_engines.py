@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from relf_jax.errors import UserError
+from relf_jax.methods import BlockDiffusion, Flow, NgramTable, PromptLookup, Speculative, parse_method
 from relf_jax.serving import engines as E
 from relf_jax.serving.engine_api import RequestParams
 from relf_jax.serving.engines.slots import Held, subset_slots
@@ -93,8 +94,8 @@ def test_speculative_engine_matches_the_sampler_per_request(rule, proposer, step
     table = build_ngram_draft(PROMPTS, lm.model_cfg.vocab_size) if proposer == "corpus_ngram" else None
     draft = draft if proposer == "draft" else None
     k, rounds = 3, 4
-    eng = E.SpeculativeEngine(lm, draft, 2, rule=rule, k=k, proposer=proposer, steps_per_call=steps_per_call,
-                              ngram_table=table)
+    eng = E.SpeculativeEngine(lm, 2, method=parse_method(rule, k=k, proposer=proposer), draft=draft,
+                              steps_per_call=steps_per_call, ngram_table=table)
     jobs = [(0, PROMPTS[0], RequestParams(40, 1.0, seed=3), 0),
             (1, PROMPTS[2], RequestParams(40, 1.0, top_p=0.8, seed=4), 1)]  # top-p joins a round later
     out = _run(eng, jobs, steps=rounds + 1)
@@ -144,7 +145,7 @@ def test_engines_compile_the_top_p_sort_only_while_a_slot_filters():
     host which slots use top_p < 1, and only then is the filter traced."""
     lm, draft = tiny_lm("ar", 0, max_seq_len=64), tiny_lm("ar", 1, max_seq_len=64)
     cases = [(E.AREngine(lm, 2), lambda eng, st: ((lm.params,), st.slots)),
-             (E.SpeculativeEngine(lm, draft, 2, rule="nsd", k=2),
+             (E.SpeculativeEngine(lm, 2, method=Speculative(rule="nsd", k=2), draft=draft),
               lambda eng, st: ((lm.params, draft.params), st.slots))]
     for eng, args in cases:
         def sorts(state):
@@ -166,7 +167,7 @@ def test_block_diffusion_engine_matches_the_decoder():
     from relf_jax.sampling.block_diffusion import decode_settings
 
     lm = tiny_lm("bd", max_seq_len=64)
-    eng = E.BlockDiffusionEngine(lm, 2, threshold=0.5)
+    eng = E.BlockDiffusionEngine(lm, 2, method=BlockDiffusion(threshold=0.5))
     d = lm.model_cfg.block_size
     # sampled tokens (a traced temperature per slot); the second request joins a step later
     jobs = [(1, PROMPTS[2], RequestParams(64, 1.0, seed=9), 0), (0, PROMPTS[1], RequestParams(64, 1.0, seed=2), 1)]
@@ -185,7 +186,7 @@ def test_relf_engine_holds_the_prompt_and_is_batch_independent():
     from relf_jax.flow.samplers import sample as flow_sample
 
     lm = tiny_lm("relf")
-    eng = E.ReLFEngine(lm, 3, nfe=4)
+    eng = E.ReLFEngine(lm, 3, method=Flow(nfe=4))
     p = RequestParams(64, seed=1)
     alone = _run(eng, [(0, PROMPTS[0], p, 0)], steps=1)[0]
     crowded = _run(eng, [(2, PROMPTS[0], p, 0), (0, PROMPTS[1], RequestParams(64, seed=2), 0)], steps=1)[2]
@@ -206,11 +207,11 @@ def test_relf_engine_holds_the_prompt_and_is_batch_independent():
 
 def test_relf_engine_holds_a_clean_prompt_for_a_prompt_trained_model():
     lm = tiny_lm("relf", flow_prompt_input=True)
-    eng = E.ReLFEngine(lm, 2, nfe=3)
+    eng = E.ReLFEngine(lm, 2, method=Flow(nfe=3))
     assert eng.flow_settings.prompt == "clean"
     out = _run(eng, [(1, PROMPTS[0], RequestParams(64, seed=3), 0)], steps=1)[1]
     assert len(out) > 0 and all(t not in (TOK.pad_id, TOK.bos_id) for t in out)
-    assert E.ReLFEngine(tiny_lm("relf"), 1, nfe=3).flow_settings.prompt == "renoise"
+    assert E.ReLFEngine(tiny_lm("relf"), 1, method=Flow(nfe=3)).flow_settings.prompt == "renoise"
 
 
 def test_requests_that_do_not_fit_are_refused():
@@ -233,7 +234,7 @@ def test_a_smaller_max_context_shrinks_the_cache_not_the_tokens():
     lm, draft = tiny_lm("ar", 0, max_seq_len=64), tiny_lm("ar", 1, max_seq_len=64)
     params = RequestParams(8, 1.0, seed=6)
     for make in (lambda **kw: E.AREngine(lm, 2, steps_per_call=2, **kw),
-                 lambda **kw: E.SpeculativeEngine(lm, draft, 2, rule="nsd", k=2, **kw)):
+                 lambda **kw: E.SpeculativeEngine(lm, 2, method=Speculative(rule="nsd", k=2), draft=draft, **kw)):
         small, full = make(max_context=40), make()
         assert small.max_context == 40 and full.max_context == 64
         cache_lengths = {x.shape[-2] for x in jax.tree.leaves(small.init_state().slots.state) if x.ndim == 5}
@@ -258,7 +259,8 @@ def test_cache_span_grows_and_shrinks_with_the_occupied_slots_not_the_tokens(mon
     monkeypatch.setattr(slots, "SPAN_MIN", 16)  # spans 16, 32, 64 on a 64-token context
     lm, draft = tiny_lm("ar", 0, max_seq_len=64), tiny_lm("ar", 1, max_seq_len=64)
     pa, pb = RequestParams(40, 1.0, seed=3), RequestParams(8, 1.0, seed=9)
-    for eng in (E.AREngine(lm, 2, steps_per_call=2), E.SpeculativeEngine(lm, draft, 2, rule="nsd", k=2)):
+    for eng in (E.AREngine(lm, 2, steps_per_call=2),
+                E.SpeculativeEngine(lm, 2, method=Speculative(rule="nsd", k=2), draft=draft)):
         assert eng.spans.lengths == (16, 32, 64)
         eng.warmup([6], spans=1)  # the shortest span only (as `ChatModel` does); the rest compile when used
         assert eng.spans.pin is None and not any(eng.init_state().ends)
@@ -308,7 +310,7 @@ def test_few_busy_slots_step_alone_with_the_same_tokens():
     jobs = [(5, PROMPTS[0], RequestParams(12, 1.0, seed=3), 0), (1, PROMPTS[1], RequestParams(12, 1.0, seed=4), 1),
             (6, PROMPTS[2], RequestParams(12, 1.0, top_p=0.9, seed=5), 1)]
     for make in (lambda: E.AREngine(lm, 8, steps_per_call=2),
-                 lambda: E.SpeculativeEngine(lm, None, 8, rule="standard", k=2, proposer="corpus_ngram",
+                 lambda: E.SpeculativeEngine(lm, 8, method=Speculative(rule="standard", k=2, proposer=NgramTable()),
                                              ngram_table=table)):
         outs = []
         for compact in (True, False):
@@ -400,8 +402,8 @@ def test_speculative_engine_with_processors_at_t0_equals_ar(rule, proposer):
     table = build_ngram_draft(PROMPTS, lm.model_cfg.vocab_size) if proposer == "corpus_ngram" else None
     params = RequestParams(14, 0.0, repetition_penalty=1.8, frequency_penalty=0.6, presence_penalty=0.4,
                              logit_bias=((45, 1.5), (6 + ord("e"), -2.0)), min_p=0.05, logprobs=3)
-    engines = [E.AREngine(lm, 2), E.SpeculativeEngine(lm, draft, 2, rule=rule, k=3, proposer=proposer,
-                                                      ngram_table=table)]
+    engines = [E.AREngine(lm, 2), E.SpeculativeEngine(lm, 2, method=parse_method(rule, k=3, proposer=proposer),
+                                                      draft=draft, ngram_table=table)]
     got = []
     for eng in engines:
         state = eng.init_state()
@@ -424,7 +426,7 @@ def test_a_prompt_past_half_the_context_gets_its_whole_reply(kind):
     if kind == "ar":
         eng = E.AREngine(lm, 1)
     else:
-        eng = E.SpeculativeEngine(lm, None, 1, rule="standard", k=3, proposer="prompt_lookup")
+        eng = E.SpeculativeEngine(lm, 1, method=Speculative(rule="standard", k=3, proposer=PromptLookup()))
     prompt = [2] + TOK.encode("<user> " + "abcdefgh" * 4 + " <assistant>")[:40]  # bucket 64 -> capped
     bias = tuple((t, -100.0) for t in eng.stop_ids)  # no stop token: the reply runs to max_tokens
     params = RequestParams(12, 1.0, seed=1, logit_bias=bias)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from relf_jax.errors import UserError
-from relf_jax.serving.loading import load_engine
+from relf_jax.methods import NgramTable, Speculative, parse_method
+from relf_jax.serving.loading import engine_for
 from relf_jax.speculative import ngram_draft as nd
 from relf_jax.speculative.recipes import corpus_ngram_table, corpus_rows, trained_by_relf_jax
 from tests._serving import tiny_lm
@@ -84,7 +85,7 @@ def test_imported_model_without_a_corpus_is_a_clear_error(tmp_path):
 
 
 def test_serve_an_imported_folder_with_corpus_ngram_needs_a_corpus(tmp_path):
-    """`load_engine` on a HuggingFace folder: no corpus is an error; a file or "online" works."""
+    """`engine_for` on a HuggingFace folder: no corpus is an error; a file or "online" works."""
     transformers = pytest.importorskip("transformers")
     from tests.test_hf_interop import save_hf_folder
 
@@ -93,16 +94,16 @@ def test_serve_an_imported_folder_with_corpus_ngram_needs_a_corpus(tmp_path):
                                    bos_token_id=2, eos_token_id=1, pad_token_id=0)
     path, _ = save_hf_folder(tmp_path, "llama", transformers.LlamaForCausalLM, cfg)
     with pytest.raises(UserError, match="imported"):
-        load_engine(path, "standard", proposer="corpus_ngram")
+        engine_for(path, Speculative(rule="standard", proposer=NgramTable()))
     with pytest.raises(UserError, match="needs a draft model"):  # the default proposer, no <folder>/draft
-        load_engine(path, "standard")
+        engine_for(path, Speculative(rule="standard"))
     with pytest.raises(UserError, match="proposer corpus_ngram"):
-        load_engine(path, "standard", proposer="prompt_lookup", ngram_corpus=["online"])
+        parse_method("standard", proposer="prompt_lookup", corpus=["online"])
     text = tmp_path / "c.txt"
     text.write_text("hello there how are you\n")
-    eng = load_engine(path, "standard", proposer="corpus_ngram", ngram_corpus=[str(text)])
+    eng = engine_for(path, Speculative(rule="standard", proposer=NgramTable(corpus=[str(text)])))
     assert eng.ngram_online is None and eng.ngram_table is not None
-    eng = load_engine(path, "standard", proposer="corpus_ngram", ngram_corpus="online", ngram_online_tokens=100)
+    eng = engine_for(path, Speculative(rule="standard", proposer=NgramTable(corpus="online", online_tokens=100)))
     assert eng.ngram_online.max_tokens == 100 and eng.ngram_table is eng.ngram_online.table
 
 
@@ -146,7 +147,8 @@ def test_served_requests_update_the_online_table_and_replies_stay_exact():
 
     lm = tiny_lm(max_seq_len=48)
     online = nd.OnlineNgram(lm.model_cfg.vocab_size, max_tokens=64, capacity=64)
-    spec = SpeculativeEngine(lm, None, 2, rule="standard", k=3, proposer="corpus_ngram", ngram_online=online)
+    spec = SpeculativeEngine(lm, 2, method=Speculative(rule="standard", k=3, proposer=NgramTable()),
+                             ngram_online=online)
     ar = AREngine(lm, 2)
     first = spec.ngram_table
 
@@ -225,8 +227,8 @@ def test_live_server_on_an_imported_folder_counts_its_traffic(tmp_path):
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
                                    bos_token_id=2, eos_token_id=1, pad_token_id=0)
     path, _ = save_hf_folder(tmp_path, "llama", transformers.LlamaForCausalLM, cfg)
-    models = build_models(path, ["standard"], model_name="m", slots=2, warmup=False, proposer="corpus_ngram",
-                          ngram_corpus=["online"], ngram_online_tokens=256)
+    method = Speculative(rule="standard", proposer=NgramTable(corpus=["online"], online_tokens=256))
+    models = build_models(path, [method], model_name="m", slots=2, warmup=False)
     engine = models["m"][0].engine
     assert engine.ngram_online.builds == 1 and engine.ngram_online.tokens == 0
     with live_server(models) as url:
