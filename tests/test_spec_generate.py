@@ -144,7 +144,7 @@ def test_standard_rule_with_penalties_and_bias_samples_the_processed_target(tiny
 
     tg, tp = tiny_model
     dg, dp = draft_model if draft == "other" else tiny_model
-    prompt, n, v = [2, 5, 6, 7], 20000, 61
+    prompt, n, v = [2, 5, 6, 7], 8000, 61
     temperature, top_k = 0.5, 30
     bias = np.zeros(v, np.float32)
     bias[[3, 9]] = [2.5, -100.0]
