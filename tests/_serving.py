@@ -85,5 +85,5 @@ def mock_models(slots: int = 4, step_s: float = 0.0, max_queue: int = 64, name: 
 
     engine = MockEngine(slots, step_s=step_s)
     batcher = Batcher(engine, policy, max_queue=max_queue, cost_fn=cost_fn).start()
-    return {name: [ServedEngine(engine, batcher, ChatTemplate(), "mock", {})]}
+    return {name: [ServedEngine(engine, batcher, ChatTemplate(), None, {})]}  # method None: the mock engine
 

@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
+from relf_jax.methods import Autoregressive
 from relf_jax.serving.batching import Batcher
 from relf_jax.serving.chat_template import ChatTemplate
 from relf_jax.serving.engines import AREngine
@@ -25,7 +26,7 @@ USER = [{"role": "user", "content": "hello world"}]
 def server():
     engine = AREngine(tiny_lm("ar", max_seq_len=64), 4)
     engine.warmup([20])
-    models = {"tiny": [ServedEngine(engine, Batcher(engine).start(), ChatTemplate(), "ar", {})],
+    models = {"tiny": [ServedEngine(engine, Batcher(engine).start(), ChatTemplate(), Autoregressive(), {})],
               **mock_models(4, step_s=0.001)}
     with live_server(models) as base:
         yield base
