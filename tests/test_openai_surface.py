@@ -37,11 +37,12 @@ def hf_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(hf_folder):
+    from relf_jax.methods import Autoregressive, PromptLookup, Speculative
     from relf_jax.serving.loading import build_models
 
     path = hf_folder[0]
-    models = build_models(path, ["ar", "standard"], model_name="qwen", slots=4, warmup=False, proposer="prompt_lookup",
-                          k=2)
+    models = build_models(path, [Autoregressive(), Speculative(rule="standard", k=2, proposer=PromptLookup())],
+                          model_name="qwen", slots=4, warmup=False)
     with live_server(models) as base:
         yield openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0), models["qwen"]
 
