@@ -46,18 +46,19 @@ class ChatModel:
 
     @classmethod
     def load(cls, workdir: str, method=None, *, template: ChatTemplate | str | None = None, slots: int = 4,
-             **engine_kw) -> ChatModel:
+             warmup: bool = True, **engine_kw) -> ChatModel:
         """Load the checkpoint in `workdir` to decode with `method` (a `relf_jax.methods` object:
         ``Autoregressive()``, the default, ``Speculative(...)``, ``Flow(...)``, ``BlockDiffusion(...)``;
         the CLI's names become one with `relf_jax.methods.parse_method`); `engine_kw`: top_k,
-        steps_per_call, max_context, see `engine_for`."""
+        steps_per_call, max_context, see `engine_for`. ``warmup=False``: compile each program
+        when a request first needs it instead of at load (a quicker load, a slower first reply)."""
         if isinstance(template, str):
             template = ChatTemplate.from_file(template)
         if isinstance(method, str):
             raise UserError(f"ChatModel.load takes a method object, not the name {method!r}: e.g. "
                             "relf_jax.Speculative(rule='nsd'), or relf_jax.methods.parse_method(name)")
         return cls(engine_for(workdir, method if method is not None else Autoregressive(), slots=slots, **engine_kw),
-                   template)
+                   template, warmup=warmup)
 
     def prompt_ids(self, messages: Sequence[dict]) -> list[int]:
         return encode_chat(self.engine.tokenizer, self.template, messages)
