@@ -13,6 +13,7 @@ from relf_jax.errors import UserError
 from relf_jax.flow.embeddings import gaussian_embeddings
 from relf_jax.flow.losses import FlowLossSettings, make_flow_loss
 from relf_jax.flow.singular import singular_logits
+from relf_jax.methods import Flow
 from relf_jax.models import build_model
 from relf_jax.train.loop import train
 from tests._synthetic_batches import CountingBatches
@@ -465,7 +466,7 @@ def test_relf_engine_writes_one_segment_of_a_drawn_length_for_a_segment_trained_
     counts = np.zeros(length + 1, np.int64)
     counts[[len(prompt) + 3, len(prompt) + 5]] = 1  # a prior with two lengths, both past the prompt
     lm = dataclasses.replace(lm, extras={**lm.extras, "flow.lengths": counts})
-    eng = E.ReLFEngine(lm, 2, nfe=3)
+    eng = E.ReLFEngine(lm, 2, method=Flow(nfe=3))
     seen = set()
     for seed in range(6):
         state = eng.insert(eng.prefill(prompt, RequestParams(64, seed=seed)), eng.init_state(), 1)
@@ -476,6 +477,6 @@ def test_relf_engine_writes_one_segment_of_a_drawn_length_for_a_segment_trained_
         again = eng.insert(eng.prefill(prompt, RequestParams(64, seed=seed)), eng.init_state(), 0)
         assert int(np.asarray(again.segment_len)[0]) == seg_len  # drawn from the request's seed
     assert seen == {len(prompt) + 3, len(prompt) + 5}
-    whole = E.ReLFEngine(tiny_lm("relf"), 1, nfe=3)  # no prior: the whole row, as before
+    whole = E.ReLFEngine(tiny_lm("relf"), 1, method=Flow(nfe=3))  # no prior: the whole row, as before
     assert int(np.asarray(whole.insert(whole.prefill(prompt, RequestParams(64, seed=0)), whole.init_state(),
                                        0).segment_len)[0]) == length
