@@ -121,7 +121,8 @@ def test_corpus_ngram_proposer_from_the_command_line_and_the_engine(capsys, cb_r
     next to the model, and the serving engine reads the same table."""
     import glob
 
-    from relf_jax.serving.loading import load_engine
+    from relf_jax.methods import NgramTable, Speculative
+    from relf_jax.serving.loading import engine_for
 
     rc, out, err = _run(capsys, "sample", "--workdir", cb_run, "--prompt", "<user> hello <assistant>",
                         "sample.max_new_tokens=8", "sample.num_samples=2", "speculative.rule=standard",
@@ -130,7 +131,7 @@ def test_corpus_ngram_proposer_from_the_command_line_and_the_engine(capsys, cb_r
     assert "counts the model's training corpus (data.source=chatterbot" in err  # says where the table is from
     assert [os.path.basename(p) for p in glob.glob(os.path.join(cb_run, "**", "ngram_draft_*.npz"),
                                                    recursive=True)] == ["ngram_draft_o2_m16.npz"]
-    eng = load_engine(cb_run, "nsd", proposer="corpus_ngram", slots=1)
+    eng = engine_for(cb_run, Speculative(rule="nsd", proposer=NgramTable()), slots=1)
     assert eng.ngram_table.order == 3 and eng.ngram_table.vocab_size == eng.lm.model_cfg.vocab_size
     rc, _, err = _run(capsys, "sample", "--workdir", cb_run, "speculative.rule=nsd", "speculative.corpus_order=1")
     _one_line_error(rc, err, "corpus_order")
