@@ -309,12 +309,11 @@ def test_few_busy_slots_step_alone_with_the_same_tokens():
     table = build_ngram_draft(PROMPTS, lm.model_cfg.vocab_size)
     jobs = [(5, PROMPTS[0], RequestParams(12, 1.0, seed=3), 0), (1, PROMPTS[1], RequestParams(12, 1.0, seed=4), 1),
             (6, PROMPTS[2], RequestParams(12, 1.0, top_p=0.9, seed=5), 1)]
-    for make in (lambda: E.AREngine(lm, 8, steps_per_call=2),
-                 lambda: E.SpeculativeEngine(lm, 8, method=Speculative(rule="standard", k=2, proposer=NgramTable()),
-                                             ngram_table=table)):
+    for eng in (E.AREngine(lm, 8, steps_per_call=2),
+                E.SpeculativeEngine(lm, 8, method=Speculative(rule="standard", k=2, proposer=NgramTable()),
+                                    ngram_table=table)):
         outs = []
-        for compact in (True, False):
-            eng = make()
+        for compact in (True, False):  # one engine (its prefill compiled once), stepping both ways
             eng.compact = compact
             outs.append(_run(eng, jobs, steps=6))
         assert outs[0] == outs[1] and all(len(t) > 1 for t in outs[0].values())
@@ -346,13 +345,20 @@ def _reference_log_probs(lm, prompt, reply, params: RequestParams):
     return out
 
 
+@pytest.fixture(scope="module")
+def ar_engine():
+    """One 2-slot AR engine over `tiny_lm("ar", 0, max_seq_len=64)` for the tests that only send
+    it requests: an engine serves request after request, so they share its compiled programs."""
+    return E.AREngine(tiny_lm("ar", 0, max_seq_len=64), 2)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
-def test_ar_engine_processors_and_log_probs_match_a_full_forward(temperature):
+def test_ar_engine_processors_and_log_probs_match_a_full_forward(temperature, ar_engine):
     """Penalties, bias, top-k, min-p per slot: each emitted token is possible under the processed
     distribution of a cache-free forward over the reply so far, and the reported log-probs are
     that distribution's (1e-4), next to a slot that uses none of it."""
-    lm = tiny_lm("ar", 0, max_seq_len=64)
-    eng = E.AREngine(lm, 2)
+    eng = ar_engine
+    lm = eng.lm
     params = RequestParams(12, temperature, seed=5, top_k=40, min_p=0.01, repetition_penalty=1.5,
                              frequency_penalty=0.4, presence_penalty=0.3, logit_bias=((40, 3.0), (41, -100.0)),
                              logprobs=5)
@@ -392,18 +398,18 @@ def test_engines_refuse_what_they_do_not_implement():
 
 @pytest.mark.parametrize("rule, proposer", [("standard", "draft"), ("standard", "corpus_ngram"), ("nsd", "draft"),
                                             ("greedy", "prompt_lookup")])
-def test_speculative_engine_with_processors_at_t0_equals_ar(rule, proposer):
+def test_speculative_engine_with_processors_at_t0_equals_ar(rule, proposer, ar_engine):
     """At temperature 0 every rule is greedy speculative decoding: with penalties, a logit
     bias and min-p the speculative engine (processed verification, drafts counted per position)
     commits the AR engine's tokens and reports the same log-probs."""
     from relf_jax.speculative.ngram_draft import build_ngram_draft
 
-    lm, draft = tiny_lm("ar", 0, max_seq_len=64), tiny_lm("ar", 1, max_seq_len=64)
+    lm, draft = ar_engine.lm, tiny_lm("ar", 1, max_seq_len=64)
     table = build_ngram_draft(PROMPTS, lm.model_cfg.vocab_size) if proposer == "corpus_ngram" else None
     params = RequestParams(14, 0.0, repetition_penalty=1.8, frequency_penalty=0.6, presence_penalty=0.4,
                              logit_bias=((45, 1.5), (6 + ord("e"), -2.0)), min_p=0.05, logprobs=3)
-    engines = [E.AREngine(lm, 2), E.SpeculativeEngine(lm, 2, method=parse_method(rule, k=3, proposer=proposer),
-                                                      draft=draft, ngram_table=table)]
+    engines = [ar_engine, E.SpeculativeEngine(lm, 2, method=parse_method(rule, k=3, proposer=proposer),
+                                              draft=draft, ngram_table=table)]
     got = []
     for eng in engines:
         state = eng.init_state()
