@@ -6,7 +6,8 @@
   machinery they share (slots.py), and a model-free mock;
 - scheduler.py: queue policies (FCFS, SJF with aging, priority) and the bounded queue;
 - batching.py: continuous batching of one engine under a policy (a background thread);
-- loading.py: `load_engine` (an engine from a checkpoint) and `build_models` (the served models);
+- loading.py: `engine_for` (the engine of a method object over a checkpoint) and `build_models`
+  (the served models);
 - chat_template.py: chat templates (messages to prompt text); chat.py: `ChatModel` (the Python API);
 - http/: the OpenAI-compatible HTTP server of `relf-jax serve`;
 - simulator.py: a discrete-event simulator of the same scheduler (used by `relf_jax.dws`).

@@ -235,7 +235,8 @@ def generate(target_graphdef, target_params, prompts: jax.Array, prompt_lengths:
     """Speculative sampling of up to ``settings.max_new_tokens`` tokens after each prompt.
 
     prompts: [B, P] int32 left-aligned and padded; prompt_lengths: [B]. The draft model (same
-    tokenizer as the target) is needed for ``proposer="draft"``; ``proposer="corpus_ngram"`` takes
+    tokenizer as the target) is needed for a draft-model proposer (settings.proposer "draft", the tag
+    `SpecSettings.from_method` gives `DraftModel`); an `NgramTable` proposer ("corpus_ngram") takes
     an `NgramDraft` table as `draft_params` (draft_graphdef None). Returns the final `SpecState`:
     ``tokens[b, prompt_lengths[b]:lengths[b]]`` is row b's reply; `stats` summarises it.
     """

@@ -307,7 +307,7 @@ def collect_rows(pending: Pending, num_slots: int) -> tuple[list, float, bool]:
 
 
 def engine_context(model_max: int, max_context: int | None) -> int:
-    """An engine's context: the model's, or `max_context` below it (`load_engine`'s docstring)."""
+    """An engine's context: the model's, or `max_context` below it (`loading.engine_for`'s docstring)."""
     if max_context is None:
         return model_max
     if not isinstance(max_context, int) or not 2 <= max_context <= model_max:
