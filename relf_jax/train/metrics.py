@@ -9,6 +9,24 @@ from typing import Any
 import jax
 
 
+def _summary_writer(logdir: str):
+    """tensorboardX's SummaryWriter. Its writer module imports torch when torch is installed
+    (seconds of start-up, at every `relf-jax train`) only to accept torch tensors; the scalars
+    written here are floats, so the first import runs with torch hidden from it, and torch stays
+    importable afterwards."""
+    import sys
+
+    if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
+        sys.modules["torch"] = None  # `import torch` raises ImportError during this import only
+        try:
+            import tensorboardX  # noqa: F401
+        finally:
+            del sys.modules["torch"]
+    from tensorboardX import SummaryWriter
+
+    return SummaryWriter(logdir)
+
+
 class MetricsWriter:
     """Appends one JSON object per call to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
 
@@ -22,8 +40,7 @@ class MetricsWriter:
         if self.enabled:
             os.makedirs(workdir, exist_ok=True)
             if tensorboard:
-                from tensorboardX import SummaryWriter
-                self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+                self._tb = _summary_writer(os.path.join(workdir, "tensorboard"))
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:

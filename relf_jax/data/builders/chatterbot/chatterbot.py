@@ -58,9 +58,10 @@ def read_conversations() -> list[str]:
     except ModuleNotFoundError:
         raise DataError("the chatterbot source needs `pip install chatterbot-corpus`.") from None
     files = sorted((f for f in root.iterdir() if f.name.endswith(".yml")), key=lambda f: f.name)
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's parser when PyYAML has it: ~10x faster
     docs = []
     for file in files:
-        data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+        data = yaml.load(file.read_text(encoding="utf-8"), Loader=loader) or {}  # noqa: S506 - a safe loader
         for conversation in data.get("conversations") or []:
             if isinstance(conversation, list) and conversation:
                 docs.append(render_conversation(conversation))
