@@ -191,7 +191,7 @@ def test_default_relf_samples_alike_through_the_kernel_and_the_reference(monkeyp
     g, p = nnx.split(model)
     e = jnp.asarray(np.random.default_rng(0).standard_normal((V, D)), jnp.float32)
     seg = jnp.asarray([[1] * 5 + [0] * 2, [1] * 7], jnp.int32)
-    residual = segment_residual(lambda *a: nnx.merge(g, p)(*a), seg)
+    residual = segment_residual(nnx.merge(g, p), seg)
     out = {}
     for kernel in (False, True):
         monkeypatch.setattr(dispatch, "runs_kernel", lambda name, override=None, k=kernel: k)

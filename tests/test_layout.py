@@ -12,7 +12,9 @@ PACKAGES = ("relf_jax", "kernels_pallas", "experiments")
 
 # (importer prefix, forbidden import prefixes): a floor never imports a floor above it
 FLOORS = [
-    ("relf_jax.models", ("relf_jax.export", "relf_jax.serving", "experiments")),
+    # models are networks only: the flow math, the samplers and the methods sit above them
+    ("relf_jax.models", ("relf_jax.export", "relf_jax.serving", "relf_jax.flow", "relf_jax.speculative",
+                         "relf_jax.sampling", "relf_jax.dws", "relf_jax.eval", "experiments")),
     ("relf_jax.flow", ("relf_jax.serving", "experiments")),
     ("relf_jax.speculative", ("relf_jax.serving", "experiments")),
     ("relf_jax.sampling", ("relf_jax.serving", "experiments")),

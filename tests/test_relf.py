@@ -12,7 +12,7 @@ from relf_jax.config import make_config
 from relf_jax.errors import UserError
 from relf_jax.flow.embeddings import gaussian_embeddings
 from relf_jax.flow.losses import FlowLossSettings, make_flow_loss
-from relf_jax.flow.singular import singular_logits
+from relf_jax.flow.singular import network_residual, singular_logits
 from relf_jax.methods import Flow
 from relf_jax.models import build_model
 from relf_jax.train.loop import train
@@ -394,7 +394,7 @@ def test_default_relf_reads_its_context_exactly_by_gradient(evidence):
     if evidence:
         with pytest.raises(ValueError, match="evidence"):
             nnx.merge(g, p)(z, sc, jnp.asarray([0.5]), None, seg)
-    f = lambda z: nnx.merge(g, p)(z, sc, jnp.asarray([0.5]), None, seg, table)[0]
+    f = lambda z: network_residual(nnx.merge(g, p), z, sc, jnp.asarray([0.5]), None, seg, table)[0]
     jac = jax.jit(jax.jacrev(lambda z: f(z).sum(-1)))(z)[:, 0]  # [L (out), L (in), d]
     size = jnp.abs(jac).sum(-1)  # [out, in]
     assert float(jnp.diagonal(size).max()) == 0.0  # never its own input

@@ -50,6 +50,7 @@ import numpy as np
 
 from relf_jax.config import make_config
 from relf_jax.flow.exact import exact_residual
+from relf_jax.flow.singular import network_residual
 from relf_jax.io import write_json
 
 PAD, EOS, BOS, FIRST_WORD = 0, 1, 2, 3
@@ -223,11 +224,11 @@ def bench_relf_toy(out: str, quick: bool = False, workdir: str | None = None, ov
                 use_singular = f.use_singular
 
                 def residual(z, t, sc, *unused, g=res.graphdef, p=res.params):
-                    return nnx.merge(g, p)(z, sc, t, table=table)  # self-conditioning as trained
+                    return network_residual(nnx.merge(g, p), z, sc, t, embeddings=table)  # sc as trained
             else:
                 def residual(z, t, sc, *unused, g=res.graphdef, p=res.params):
                     # trained without self-conditioning: it always saw sc = 0, so it gets 0 here too
-                    return nnx.merge(g, p)(z, jnp.zeros_like(sc), t, table=table)
+                    return network_residual(nnx.merge(g, p), z, jnp.zeros_like(sc), t, embeddings=table)
         ce = {f"{t:g}": word_ce(residual, table, rows, t=t, c=c, use_singular=use_singular)
               for t in sz.probe_times}
         for sampler in ("euler", "stochastic"):

@@ -17,20 +17,21 @@ from relf_jax.errors import UserError
 from relf_jax.flow.lengths import draw_segment_lengths, flow_lengths, segment_rows
 from relf_jax.flow.samplers import FlowSamplerSettings
 from relf_jax.flow.samplers import sample as flow_sample
+from relf_jax.flow.singular import network_residual
 from relf_jax.methods import Flow
 from relf_jax.sampling.batch import Samples, collect, cut_at_stop, prompt_ids, samples_from_rows, timed_chunks
 
 
-def segment_residual(model_fn, segment_ids, table=None):
-    """The samplers' ``residual_fn(z, t, sc[, known])`` of a network ``model_fn(z, sc, t, known,
-    segment_ids, table)`` on rows with `segment_ids` [B, L] (None: one segment); guidance's doubled
-    batch gets them twice. `table`: the fixed embeddings (read by a model with
-    ``flow_evidence_input``)."""
+def segment_residual(model, segment_ids, table=None):
+    """The samplers' ``residual_fn(z, t, sc[, known])`` of the ReLF network `model` on rows with
+    `segment_ids` [B, L] (None: one segment); guidance's doubled batch gets them twice. `table`:
+    the fixed embeddings (the evidence input of a model with ``flow_evidence_input``,
+    `relf_jax.flow.singular.network_residual`)."""
     def residual(z, t, sc, known=None):
         seg = segment_ids
         if seg is not None and seg.shape[0] != z.shape[0]:
             seg = jnp.concatenate([seg] * (z.shape[0] // seg.shape[0]))
-        return model_fn(z, sc, t, known, seg, table)
+        return network_residual(model, z, sc, t, known, seg, table)
     return residual
 
 
@@ -42,7 +43,7 @@ def relf_tokens(graphdef, params, key, table, prompt_tokens=None, prompt_mask=No
     (one segment per row, then pad; None: the whole row); compiled once per settings and shape."""
     from flax import nnx
 
-    residual = segment_residual(lambda *a: nnx.merge(graphdef, params)(*a), segment_ids, table)
+    residual = segment_residual(nnx.merge(graphdef, params), segment_ids, table)
     known = None if prompt_mask is None else (prompt_mask, jnp.take(table, prompt_tokens, axis=0))
     out = flow_sample(key, residual, table, settings, batch=batch, length=length, known=known)[0]
     return out if prompt_mask is None else jnp.where(prompt_mask, prompt_tokens, out)

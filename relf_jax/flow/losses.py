@@ -51,7 +51,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from relf_jax.flow.singular import interpolate, posterior_logits, posterior_mean, velocity
+from relf_jax.flow.singular import interpolate, network_residual, posterior_logits, posterior_mean, velocity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,15 +130,15 @@ def make_flow_loss(settings: FlowLossSettings):
         zeros = jnp.zeros_like(z)
         use_sc = jax.random.bernoulli(k_sc, s.self_condition_prob, (b, 1, 1))
         # the self-conditioning guess is the sampler's X1_hat: singular logits included
-        first = jax.lax.stop_gradient(logits_of(model(z, zeros, t, known, segments, table=embeddings),
+        first = jax.lax.stop_gradient(logits_of(network_residual(model, z, zeros, t, known, segments, embeddings),
                                                 s.use_singular))
         sc_guess = posterior_mean(jax.nn.softmax(first, axis=-1), embeddings)
         if known is not None:  # as in prompted sampling: the prompt's X1_hat is the prompt itself
             sc_guess = jnp.where(known[..., None], x1, sc_guess)
         sc_in = jnp.where(use_sc, sc_guess, zeros)
         aux = s.aux_weight > 0
-        f, f_aux = (model.logits_and_aux(z, sc_in, t, known, segments, table=embeddings) if aux
-                    else (model(z, sc_in, t, known, segments, table=embeddings), None))
+        f, f_aux = (network_residual(model, z, sc_in, t, known, segments, embeddings, aux=True) if aux
+                    else (network_residual(model, z, sc_in, t, known, segments, embeddings), None))
         logits = logits_of(f)
         n = jnp.maximum(mask.sum(), 1.0)
 

@@ -28,11 +28,18 @@ from flax import nnx
 
 from relf_jax.flow.losses import FlowLossSettings, flow_inputs, make_flow_loss, sample_times
 from relf_jax.flow.samplers import euler_integrate, final_tokens, time_grid
-from relf_jax.flow.singular import interpolate, posterior_logits, posterior_mean, straightness, velocity
+from relf_jax.flow.singular import (
+    interpolate,
+    network_residual,
+    posterior_logits,
+    posterior_mean,
+    straightness,
+    velocity,
+)
 
 
 def _residual_fn(graphdef, params, segment_ids=None, table=None):
-    return lambda z, t, sc: nnx.merge(graphdef, params)(z, sc, t, None, segment_ids, table=table)
+    return lambda z, t, sc: network_residual(nnx.merge(graphdef, params), z, sc, t, None, segment_ids, table)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings", "nfe", "length", "batch"))
@@ -130,8 +137,8 @@ def make_reflow_loss(settings: FlowLossSettings, data_weight: float = DATA_WEIGH
         z = interpolate(jnp.take(embeddings, tokens, axis=0), z0, t)
 
         def logits_of(sc):
-            return posterior_logits(z, t, embeddings, model(z, sc, t, None, seg, table=embeddings), c=s.residual_bound,
-                                    use_singular=s.use_singular, t_eps=s.t_eps)
+            return posterior_logits(z, t, embeddings, network_residual(model, z, sc, t, None, seg, embeddings),
+                                    c=s.residual_bound, use_singular=s.use_singular, t_eps=s.t_eps)
 
         zeros = jnp.zeros_like(z)
         guess = posterior_mean(jax.nn.softmax(jax.lax.stop_gradient(logits_of(zeros)), -1), embeddings)

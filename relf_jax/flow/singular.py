@@ -127,3 +127,26 @@ def straightness(
         return jnp.mean(jnp.sum(err * err, axis=-1))
 
     return jnp.mean(jax.lax.map(one_time, jnp.asarray(ts, jnp.float32)))
+
+
+EVIDENCE_CLIP = 10.0  # the evidence input's log-posterior floor (and its scale)
+
+
+def evidence_input(z: jax.Array, t, embeddings: jax.Array) -> jax.Array:
+    """The ``evidence`` input of a ReLF network built with ``flow_evidence_input`` [..., L, V]:
+    each position's singular log-posterior, clipped below at -EVIDENCE_CLIP and divided by it."""
+    return jnp.maximum(jax.nn.log_softmax(singular_logits(z, t, embeddings), axis=-1), -EVIDENCE_CLIP) / EVIDENCE_CLIP
+
+
+def network_residual(model, z, sc, t, known=None, segment_ids=None, embeddings=None, *, aux: bool = False):
+    """The ReLF network's residual logits ``model(z, sc, t, known, segment_ids)``, with the
+    evidence input computed from `embeddings` when the network reads it (`FlowLM.reads_evidence`);
+    ``aux=True``: (residual, auxiliary head's logits), `FlowLM.logits_and_aux`."""
+    evidence = None
+    if getattr(model, "reads_evidence", False):
+        if embeddings is None:
+            raise ValueError("this ReLF model reads each position's evidence (model.flow_evidence_input): "
+                             "pass the fixed embeddings")
+        evidence = evidence_input(z, t, embeddings)
+    call = model.logits_and_aux if aux else model
+    return call(z, sc, t, known, segment_ids, evidence=evidence)

@@ -34,8 +34,9 @@ Self-conditioning still leaks a little of z_i through the neighbours' sc (each n
 X1_hat was computed from all of Z).
 
 With ``cfg.flow_evidence_input`` (our extension, off) each position's own evidence, the clipped
-log of its singular posterior (needs ``table=``, the fixed embeddings), is a further input: a
-function of z_j alone, so the blind spot stays exact. Measured on the toy: no gain (docs/relf.md).
+log of its singular posterior, is a further input (``evidence=``, computed by
+`relf_jax.flow.singular.evidence_input`; `relf_jax.flow.singular.network_residual` calls the
+network with it): a function of z_j alone, so the blind spot stays exact. Measured on the toy: no gain (docs/relf.md).
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ from flax import nnx
 
 from relf_jax.config import ModelConfig
 from relf_jax.data.pipeline import segment_positions
-from relf_jax.flow.singular import singular_logits
 from relf_jax.models.causal_lm import DTYPES
 from relf_jax.models.layers import (
     RMSNorm,
@@ -60,7 +60,6 @@ from relf_jax.models.layers import (
 from relf_jax.runtime.sharding import constrain
 
 TIME_FEATURES = 64
-EVIDENCE_CLIP = 10.0
 
 
 def time_features(t: jax.Array, dim: int = TIME_FEATURES) -> jax.Array:
@@ -124,29 +123,35 @@ class FlowLM(nnx.Module):
                         if cfg.flow_aux_head else None)
 
     def __call__(self, z: jax.Array, sc: jax.Array, t: jax.Array, known: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None, table: jax.Array | None = None) -> jax.Array:
+                 segment_ids: jax.Array | None = None, evidence: jax.Array | None = None) -> jax.Array:
         """Residual logits [B, L, V] (float32) for noisy embeddings z, self-conditioning sc, time t;
         known [B, L] bool flags clean prompt positions (only for a model built with
         ``flow_prompt_input``); segment_ids [B, L] int32 (packed rows, `relf_jax.data.pipeline`):
         positions attend only within their segment and count from 0 in each (None: one segment);
-        table [V, d_emb]: the fixed embeddings, for a model built with ``flow_evidence_input``."""
-        return self._head(self._hidden(z, sc, t, known, segment_ids, table), self.out)
+        evidence [B, L, V]: each position's clipped singular log-posterior, for a model built with
+        ``flow_evidence_input`` (`reads_evidence`; `relf_jax.flow.singular.evidence_input`)."""
+        return self._head(self._hidden(z, sc, t, known, segment_ids, evidence), self.out)
+
+    @property
+    def reads_evidence(self) -> bool:
+        """Whether the network takes the ``evidence`` input (built with ``flow_evidence_input``)."""
+        return self.in_ev is not None
 
     def logits_and_aux(self, z: jax.Array, sc: jax.Array, t: jax.Array, known: jax.Array | None = None,
-                       segment_ids: jax.Array | None = None, table: jax.Array | None = None
+                       segment_ids: jax.Array | None = None, evidence: jax.Array | None = None
                        ) -> tuple[jax.Array, jax.Array]:
         """(residual logits, auxiliary head's logits), both [B, L, V] float32, from one pass
         (only for a model built with ``flow_aux_head``)."""
         if self.out_aux is None:
             raise ValueError("this ReLF model was not built with an auxiliary head (model.flow_aux_head)")
-        h = self._hidden(z, sc, t, known, segment_ids, table)
+        h = self._hidden(z, sc, t, known, segment_ids, evidence)
         return self._head(h, self.out), self._head(h, self.out_aux)
 
     @staticmethod
     def _head(h: jax.Array, w: nnx.Param) -> jax.Array:
         return constrain(h @ w[...].astype(jnp.float32), ("batch", "length", "vocab"))
 
-    def _hidden(self, z, sc, t, known, segment_ids=None, table=None):
+    def _hidden(self, z, sc, t, known, segment_ids=None, evidence=None):
         """Final normed hidden state [B, L, d_model] (float32)."""
         b, length, _ = z.shape
         dt = self.dtype
@@ -159,11 +164,10 @@ class FlowLM(nnx.Module):
         x = (z.astype(dt) @ self.in_z[...].astype(dt)) + (sc.astype(dt) @ self.in_sc[...].astype(dt))
         x = x + jnp.take(self.pos[...], positions, axis=0).astype(dt)
         if self.in_ev is not None:
-            if table is None:
+            if evidence is None:
                 raise ValueError("this ReLF model reads each position's evidence (model.flow_evidence_input): "
-                                 "pass the embeddings as table=")
-            ev = jnp.maximum(jax.nn.log_softmax(singular_logits(z, t, table), axis=-1), -EVIDENCE_CLIP) / EVIDENCE_CLIP
-            x = x + (ev.astype(dt) @ self.in_ev[...].astype(dt))
+                                 "pass evidence= (relf_jax.flow.singular.evidence_input)")
+            x = x + (evidence.astype(dt) @ self.in_ev[...].astype(dt))
         if known is not None:
             if self.in_known is None:
                 raise ValueError("this ReLF model was not built with a prompt input (model.flow_prompt_input)")

@@ -118,8 +118,7 @@ class ReLFEngine(Engine):
         def one(sl: _FlowSlot):
             known = jnp.arange(self.length) < sl.prompt_len
             inside = jnp.arange(self.length) < sl.segment_len
-            residual = segment_residual(lambda *a: nnx.merge(graphdef, weights)(*a), inside[None].astype(jnp.int32),
-                                        table)
+            residual = segment_residual(nnx.merge(graphdef, weights), inside[None].astype(jnp.int32), table)
             toks, _ = flow_sample(jax.random.wrap_key_data(sl.key), residual, table, settings, batch=1,
                                   length=self.length, known=(known[None], table[sl.tokens][None]))
             return jnp.where(known, sl.tokens, jnp.where(inside, toks[0], self.tokenizer.pad_id))
