@@ -104,18 +104,22 @@ def test_ragged_rounds_verify_against_full_recompute_logits(tiny_model, draft_mo
     real_verify = spec.verify
 
     def recording_verify(target_logits, draft_logits, draft_tokens, key, **kw):
-        seen.append((np.asarray(target_logits), np.asarray(draft_tokens)))
+        # a host callback records what the compiled round verified
+        jax.debug.callback(lambda t, d: seen.append((np.asarray(t), np.asarray(d))), target_logits, draft_tokens)
         return real_verify(target_logits, draft_logits, draft_tokens, key, **kw)
 
     monkeypatch.setattr(spec, "verify", recording_verify)
     prompts, lens = ar.pad_prompts(PROMPTS)
     settings = spec.SpecSettings(k=3, rule="standard", max_new_tokens=40, eos_id=-1)
     sp = spec.SpecParams.make(1.0)
-    state = spec.prefill_scored(tg, tp, dg, dp, prompts, lens, jax.random.key(3), sp, settings)[0]
+    # compiled (op by op, the prefill and the round are hundreds of small compiles)
+    state = jax.jit(lambda tp, dp, prompts, lens, key, sp: spec.prefill_scored(
+        tg, tp, dg, dp, prompts, lens, key, sp, settings)[0])(tp, dp, prompts, lens, jax.random.key(3), sp)
+    round_ = jax.jit(lambda tp, dp, state, sp: spec.round_scored(tg, tp, dg, dp, state, sp, settings)[0])
     accepted_counts = set()
     for _ in range(4):
         before = np.asarray(state.tokens), np.asarray(state.lengths)
-        state = spec.round_scored(tg, tp, dg, dp, state, sp, settings)[0]
+        state = jax.block_until_ready(round_(tp, dp, state, sp))
         target_logits, drafts = seen[-1]
         toks, lengths = before
         for b in range(len(PROMPTS)):
