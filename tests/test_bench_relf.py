@@ -1,5 +1,6 @@
 """The arithmetic of `relf-jax bench relf`: matched-entropy interpolation and target ratios."""
 
+import inspect
 import math
 
 import pytest
@@ -185,4 +186,9 @@ def test_core_part_runs_alone():
 
     with pytest.raises(UserError, match="core alone"):
         bench_relf("unused.json", parts=["core", "models"])
+    # the default (`relf-jax bench relf` without --parts) is the three parts that run together
+    from experiments.bench.relf_variants import DEFAULT_PARTS
+
+    assert inspect.signature(bench_relf).parameters["parts"].default == DEFAULT_PARTS == ("models", "reflow",
+                                                                                           "latency")
     assert CORE_VARIANTS["relf"] == [] and CORE_VARIANTS["plain"] == ["flow.blind_spot=false"]

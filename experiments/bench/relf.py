@@ -56,6 +56,7 @@ from experiments.bench.relf_targets import targets
 from experiments.bench.relf_variants import (
     ABLATIONS,
     AR_TEMPERATURES,
+    DEFAULT_PARTS,
     EULER_NFES,
     EXTENSIONS,
     GUIDANCE,
@@ -78,7 +79,7 @@ from relf_jax.speculative.recipes import sample
 
 
 def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),
-               parts: Sequence[str] = PARTS) -> dict:
+               parts: Sequence[str] = DEFAULT_PARTS) -> dict:
     """Runs the parts named in `parts`: "models" (the AR sweep, ReLF rows at both budgets,
     ablations, guidance, extensions, prompted replies, the unigram reference), "reflow" (two
     reflow rounds and two no-pairs control rounds of the plain and `REFLOW_EXTENSIONS` models,

@@ -18,6 +18,7 @@ REFLOW_EXTENSIONS = ("plain",)
 
 
 PARTS = ("models", "reflow", "latency", "core")
+DEFAULT_PARTS = PARTS[:3]  # "core" runs alone, on request
 # the no-pairs control of a reflow study: the same rounds, schedule and batches, data loss only
 NO_PAIRS = {"pair_weight": 0.0, "data_weight": 1.0}
 
