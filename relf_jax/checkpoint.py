@@ -67,6 +67,20 @@ def abstract_like(tree: Any, shardings: Any = None) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+def _drop_read_only_notice(record) -> bool:
+    return not str(record.msg).startswith("Given directory is read only")
+
+
+def _quiet_read_only_notice() -> None:
+    """Orbax logs a warning whenever a checkpoint folder is opened read-only, which loading for
+    inference does on purpose; drop that one message from absl's logger (once per process)."""
+    import logging
+
+    logger = logging.getLogger("absl")
+    if _drop_read_only_notice not in logger.filters:
+        logger.addFilter(_drop_read_only_notice)
+
+
 class Checkpointer:
     """Async keep-N checkpoints under ``<workdir>/checkpoints``."""
 
@@ -74,8 +88,12 @@ class Checkpointer:
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
         if read_only and not os.path.isdir(self.directory):
             raise UserError(f"no checkpoint found in {self.directory}")
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                               create=not read_only, read_only=read_only)
+        if read_only:  # what orbax would set itself, with a warning each time (3 per load)
+            _quiet_read_only_notice()
+            options = ocp.CheckpointManagerOptions(max_to_keep=None, save_interval_steps=0, create=False,
+                                                   enable_async_checkpointing=async_save, read_only=True)
+        else:
+            options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def steps(self) -> list[int]:
