@@ -70,9 +70,7 @@ def engine_for(workdir: str, method: methods.Method, *, slots: int = 8, top_k: i
 def proposer_inputs(workdir: str, lm, method: methods.Speculative):
     """(draft model, n-gram table, online n-gram table) of `method`'s proposer for the target
     `lm` of `workdir` (None where the proposer takes none)."""
-    from relf_jax.data.tokenizer import same_tokenization
-    from relf_jax.loading import load_model
-    from relf_jax.speculative.recipes import corpus_ngram_table, corpus_rows
+    from relf_jax.speculative.recipes import corpus_ngram_table, corpus_rows, load_draft
 
     p = method.proposer
     if isinstance(p, methods.PromptLookup):
@@ -88,19 +86,14 @@ def proposer_inputs(workdir: str, lm, method: methods.Speculative):
         print(f"[corpus_ngram] the n-gram table counts the requests served (the newest {p.online_tokens} "
               f"tokens){' and ' + ', '.join(files) if files else ''}", file=sys.stderr, flush=True)
         return None, None, online
-    if not isinstance(p.path_or_model, (str, type(None))):
-        draft, path = p.path_or_model, "the draft model given"
-    else:
-        path = p.path_or_model or os.path.join(workdir, "draft")
-        if p.path_or_model is None and not os.path.exists(path):
+    draft = p.path_or_model
+    if draft is None:  # beside the target served (an imported HF folder's own workdir may differ)
+        draft = os.path.join(workdir, "draft")
+        if not os.path.exists(draft):
             raise UserError(f"{method.rule!r} speculative decoding with a DraftModel proposer needs a draft model: "
-                            f"none at {path}; name one with DraftModel(path) (relf-jax serve --draft PATH) or "
+                            f"none at {draft}; name one with DraftModel(path) (relf-jax serve --draft PATH) or "
                             "use PromptLookup() or NgramTable() (--proposer prompt_lookup or corpus_ngram)")
-        draft = load_model(path, "ar")
-        path = f"the draft in {path}"
-    if not same_tokenization(draft.tokenizer, lm.tokenizer):
-        raise UserError(f"{path} uses another tokenizer than the target")
-    return draft, None, None
+    return load_draft(lm, draft), None, None
 
 
 @dataclasses.dataclass

@@ -103,12 +103,16 @@ def spec_batch(lm: LoadedModel, sc: SampleConfig, method: Speculative, draft: Op
     return run
 
 
-def load_draft(lm: LoadedModel, path: Optional[str] = None) -> LoadedModel:
-    """The draft model for speculative decoding: the run folder `path` or ``<lm's workdir>/draft``."""
-    path = path or os.path.join(lm.cfg.workdir, "draft")
-    draft = load_model(path, "ar")
+def load_draft(lm: LoadedModel, path_or_model=None) -> LoadedModel:
+    """The draft model for speculative decoding of `lm`: a loaded model, the run folder
+    `path_or_model`, or ``<lm's workdir>/draft``; a draft with another tokenizer is refused."""
+    if isinstance(path_or_model, (str, type(None))):
+        path = path_or_model or os.path.join(lm.cfg.workdir, "draft")
+        draft, what = load_model(path, "ar"), f"the draft in {path}"
+    else:
+        draft, what = path_or_model, "the draft model given"
     if not tokenizer_lib.same_tokenization(draft.tokenizer, lm.tokenizer):
-        raise UserError(f"the draft in {path} uses another tokenizer than the target")
+        raise UserError(f"{what} uses another tokenizer than the target")
     return draft
 
 
@@ -119,9 +123,7 @@ def proposer_inputs(lm: LoadedModel, method: Speculative, ngram_table=None):
     proposer takes none."""
     p = method.proposer
     if isinstance(p, DraftModel):
-        if isinstance(p.path_or_model, (str, type(None))):
-            return load_draft(lm, p.path_or_model), None
-        return p.path_or_model, None
+        return load_draft(lm, p.path_or_model), None
     if isinstance(p, NgramTable):
         if ngram_table is not None:
             return None, ngram_table
