@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
@@ -50,6 +51,7 @@ def test_continual_rcsd_fits_the_target_on_its_own_traffic(target_and_draft, tmp
     batch = {k: jnp.asarray(v) for k, v in
              next(ReplayBatches(trainer.store, 64, recent_shards=[], recent_fraction=0.0, seed=5)).items()}
 
+    @jax.jit  # one program (op by op, the two forwards compiled each of their ops)
     def terms(params):
         tokens, positions, seg = rcsd_inputs(batch)
         logits, _ = nnx.merge(draft.graphdef, params)(tokens, positions, segment_ids=seg)

@@ -149,13 +149,14 @@ def test_standard_rule_with_the_ngram_draft_samples_the_target(tiny_model, tiny_
     toks = np.asarray(state.tokens)[:, len(prompt):len(prompt) + 3]
     assert 0.2 < spec.stats(state)["mean_accepted"] < 1.8  # drafts get accepted and rejected
 
-    model = nnx.merge(tg, tp)
+    @jax.jit  # one program per shape (op by op, the forward compiled each of its ops)
+    def next_token_probs(params, seqs):
+        logits = nnx.merge(tg, params)(seqs, jnp.broadcast_to(jnp.arange(seqs.shape[1]), seqs.shape))
+        logits = logits[0] if isinstance(logits, tuple) else logits
+        return jax.nn.softmax(logits[:, -1].astype(jnp.float32))
 
     def dist(seqs):
-        seqs = jnp.asarray(seqs, jnp.int32)
-        logits = model(seqs, jnp.broadcast_to(jnp.arange(seqs.shape[1]), seqs.shape))
-        logits = logits[0] if isinstance(logits, tuple) else logits
-        return np.asarray(jax.nn.softmax(logits[:, -1].astype(jnp.float32)), np.float64)
+        return np.asarray(next_token_probs(tp, jnp.asarray(seqs, jnp.int32)), np.float64)
 
     px = dist([prompt])[0]
     py_x = dist([prompt + [x] for x in range(v)])  # [x, y]

@@ -65,8 +65,14 @@ def test_trace_is_what_the_loop_did(tiny_model, draft_model, rule):
     ex = examples_from_trace(state.tokens, state.lengths, state.trace)
     tg, tp = tiny_model
     s = toks.shape[1]
-    logits, _ = nnx.merge(tg, tp)(jnp.asarray(toks), jnp.broadcast_to(jnp.arange(s), toks.shape))
-    p = np.asarray(jnp.exp(processors.log_probs(logits, 0.0 if rule == "greedy" else 1.0)))  # greedy: one-hot
+    temperature = 0.0 if rule == "greedy" else 1.0  # greedy: one-hot
+
+    @jax.jit  # one program (op by op, the forward compiled each of its ops)
+    def target_probs(params, tokens):
+        logits, _ = nnx.merge(tg, params)(tokens, jnp.broadcast_to(jnp.arange(s), tokens.shape))
+        return jnp.exp(processors.log_probs(logits, temperature))
+
+    p = np.asarray(target_probs(tp, jnp.asarray(toks)))
     rows, cols = np.nonzero(ex["dist_mask"])
     assert len(rows) == committed
     for b, j in zip(rows, cols):

@@ -166,18 +166,20 @@ def test_standard_rule_with_penalties_and_bias_samples_the_processed_target(tiny
     else:  # the draft's processed distribution is the target's, position by position
         assert accepted > 1.98 * n
 
-    model = nnx.merge(tg, tp)
+    @jax.jit  # one program per shape (run op by op, the forward compiled each op: ~200 compiles)
+    def processed_log_probs(params, seqs, counts, seen):
+        logits = nnx.merge(tg, params)(seqs, jnp.broadcast_to(jnp.arange(seqs.shape[1]), seqs.shape))[0][:, -1]
+        return processors.log_probs(processors.adjust(logits, pen.replace(counts=counts, seen=seen)), temperature,
+                                    top_k)
 
     def exact(prefixes, count_drafts=True):
         """The processed target distribution after each prompt + prefix (float64 [len, V])."""
         seqs = jnp.asarray([prompt + list(p) for p in prefixes], jnp.int32)
-        logits = model(seqs, jnp.broadcast_to(jnp.arange(seqs.shape[1]), seqs.shape))[0][:, -1]
         counted = [list(p) if count_drafts else list(p[:1]) for p in prefixes]
         counts = np.stack([np.bincount(np.asarray(c, int), minlength=v) for c in counted]).astype(np.int32)
         seen = counts > 0
         seen[:, prompt] = True
-        x = processors.adjust(logits, pen.replace(counts=jnp.asarray(counts), seen=jnp.asarray(seen)))
-        p = np.exp(np.asarray(processors.log_probs(x, temperature, top_k), np.float64))
+        p = np.exp(np.asarray(processed_log_probs(tp, seqs, counts, seen), np.float64))
         return p / p.sum(-1, keepdims=True)
 
     def tv(a, b):
