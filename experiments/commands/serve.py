@@ -40,6 +40,10 @@ def serve_args(p):
     p.add_argument("--max-context", type=int, default=None,
                    help="ar / speculative: prompt + reply tokens per slot, below the model's context (default: the "
                         "model's); longer requests are refused")
+    p.add_argument("--prefix-cache-mb", type=float, default=0.0,
+                   help="ar / speculative: MiB of memory for the prefix cache, which keeps finished requests' "
+                        "keys/values so the next turn of a conversation prefills only its new tokens (LRU "
+                        "eviction within the budget; 0: off)")
     p.add_argument("--chat-template", default=None, help="a .json marker template or a .jinja template (default: "
                                                          "the checkpoint's own template, else the <user>/<assistant> "
                                                          "markers)")
@@ -89,6 +93,7 @@ def serve(args) -> int:
                           slots=args.slots, max_queue=args.max_queue, policy=args.policy, aging=args.aging,
                           template=template, cost_fn=cost_fn, mock=args.mock, mock_step_s=args.mock_step_ms / 1e3,
                           steps_per_call=args.steps_per_call, max_context=args.max_context,
+                          prefix_cache_mb=args.prefix_cache_mb,
                           overlap={"auto": None, "on": True, "off": False}[args.overlap])
     name = next(iter(models))
     print(f"[serve] model {name!r} with {', '.join(s.generator for s in models[name])} on "

@@ -30,7 +30,7 @@ from relf_jax.errors import UserError
 from relf_jax.models.layers import KVCache
 from relf_jax.sampling import processors
 from relf_jax.sampling.params import TracedSampling, sample_logits
-from relf_jax.sampling.prefill import first_token, prefill_cache
+from relf_jax.sampling.prefill import CachedPrefix, first_token, prefill_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,12 +99,14 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lengths: jax.Array, key
 
 def prefill_scored(graphdef, params, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array,
                    sampling: TracedSampling, settings: DecodeSettings,
-                   log_probs: int = 0) -> tuple[DecodeState, jax.Array | None]:
+                   log_probs: int = 0, prefix: CachedPrefix | None = None) -> tuple[DecodeState, jax.Array | None]:
     """`prefill` (traceable), with the first token's reported log-probs when log_probs > 0
-    (`sample_logits`)."""
+    (`sample_logits`). prefix: the prompts' first tokens' keys and values, already in a cache of
+    ``P + max_new_tokens`` slots (`relf_jax.sampling.prefill.CachedPrefix`); `prompts` is still
+    the whole prompt (the token buffer and the penalties' counts start from it)."""
     b, p = prompts.shape
     total = p + settings.max_new_tokens
-    last, cache = prefill_cache(nnx.merge(graphdef, params), prompts, prompt_lengths, total)
+    last, cache = prefill_cache(nnx.merge(graphdef, params), prompts, prompt_lengths, total, prefix=prefix)
     first = first_token(last, prompts, prompt_lengths, key, sampling, total=total, pad_id=settings.pad_id,
                         eos_id=settings.eos_id, max_new_tokens=settings.max_new_tokens,
                         track_tokens=settings.track_tokens, log_probs=log_probs)

@@ -222,6 +222,7 @@ class Batcher:
                 live.slot = slot
             self._state, prefix = self.engine.prefill_insert(live.req.prompt, live.req.params, self._state, slot)
             with self._lock:
+                live.cached_tokens = prefix.cached_tokens
                 live.model_s += prefix.model_s
                 self.stats.model_s += prefix.model_s
                 if self._take(live, prefix.tokens, prefix.done, from_step=False, log_probs=prefix.log_probs):
@@ -324,9 +325,11 @@ class Batcher:
         elif finish is None:
             text = text[:len(text) - holdback(text, live.req.stop)]
         delta = text[len(live.sent):] if text.startswith(live.sent) else ""
+        live.unsent_ids += new_ids  # tokens whose text is held back go with the next event
         if delta or new_lps:
             live.sent += delta
-            live.sink(Event(request_id=live.req.id, text=delta, token_ids=new_ids, log_probs=new_lps))
+            live.sink(Event(request_id=live.req.id, text=delta, token_ids=live.unsent_ids, log_probs=new_lps))
+            live.unsent_ids = []
         if finish is not None:
             self._finish(live, finish, stopped=engine_done and from_step)
             return True
@@ -337,6 +340,13 @@ class Batcher:
         if live.finished:
             return
         live.finished = True
+        if live.slot >= 0 and self._slots[live.slot] == live.req.id:
+            try:  # before the slot is freed: the engine may keep the request's keys/values (`Engine.keep_prefix`)
+                self.engine.keep_prefix(self._state, live.slot, [*live.req.prompt, *live.ids],
+                                        len(live.req.prompt) + live.generated)
+            except Exception as e:  # never fails the request; said on stderr
+                print(f"[batcher] {self.engine.name}: keep_prefix failed: {type(e).__name__}: {e}",
+                      file=sys.stderr, flush=True)
         self._release(live, stopped)
         self._live.pop(live.req.id, None)
         self.stats.requests[reason] = self.stats.requests.get(reason, 0) + 1
@@ -349,13 +359,15 @@ class Batcher:
             except Exception as e:  # never fails the request; said on stderr
                 print(f"[batcher] {self.engine.name}: request_finished failed: {type(e).__name__}: {e}",
                       file=sys.stderr, flush=True)
-        usage = {"prompt_tokens": len(live.req.prompt), "completion_tokens": live.generated,
+        usage = {"prompt_tokens": len(live.req.prompt), "cached_tokens": live.cached_tokens,
+                 "completion_tokens": live.generated,
                  "total_tokens": len(live.req.prompt) + live.generated,
                  "queue_s": (live.admitted or end) - live.arrival,
                  "ttft_s": (live.first_token - live.arrival) if live.first_token else None,
                  "e2e_s": end - live.arrival, "model_s": live.model_s, "steps": live.steps,
                  "accepted": live.accepted}
         try:
-            live.sink(Event(request_id=live.req.id, finish_reason=reason, usage=usage, error=error))
+            live.sink(Event(request_id=live.req.id, finish_reason=reason, usage=usage, error=error,
+                            token_ids=live.unsent_ids))
         finally:
             self._lock.notify_all()

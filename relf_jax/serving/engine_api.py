@@ -97,6 +97,7 @@ class Prefix:
     features: frozenset = frozenset()  # the request's sampling features (`RequestParams.features`)
     prompt_len: int = 0  # the prompt's tokens (AR and speculative: for `Spans`)
     log_probs: list | None = None  # per token of `tokens`: (log-prob, [(id, log-prob), ...]) when asked
+    cached_tokens: int = 0  # prompt tokens whose keys/values came from the prefix cache (not prefilled)
 
 
 @dataclasses.dataclass
@@ -195,6 +196,14 @@ class Engine(abc.ABC):
         """Called by the batcher when a request ends with a reply (finish "stop" or "length"),
         with its prompt and reply ids. Does nothing here; a speculative engine with an online
         n-gram table counts them (`SpeculativeEngine.update_ngram_table`)."""
+
+    prefix_cache = None  # a `relf_jax.serving.prefix_cache.PrefixCache` where the engine keeps prefixes
+
+    def keep_prefix(self, state: Any, slot: int, tokens: Sequence[int], committed: int) -> None:
+        """Called by the batcher when the request in `slot` ends (before `free`), with its prompt
+        and reply ids (`tokens`) and the tokens the slot committed (`committed`, a stop token
+        included). An engine with a prefix cache keeps the keys and values of `tokens` there;
+        this one does nothing."""
 
     def reserve(self) -> int:
         """Context positions a request needs beyond prompt + max_tokens (speculative: k + 1)."""

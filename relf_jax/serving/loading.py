@@ -29,7 +29,8 @@ def _or(steps_per_call: int | None, kind: str) -> int:
 
 
 def engine_for(workdir: str, method: methods.Method, *, slots: int = 8, top_k: int = 0,
-               steps_per_call: int | None = None, max_context: int | None = None) -> Engine:
+               steps_per_call: int | None = None, max_context: int | None = None,
+               prefix_cache_mb: float = 0.0) -> Engine:
     """The serving engine that decodes the checkpoint in `workdir` (the ``<workdir>/<family>``
     layout of `relf-jax train`, or a HuggingFace Llama / Qwen2 folder, loaded in place: AR and
     speculative methods; a draft may be an HF folder too) with `method`, a `relf_jax.methods`
@@ -50,21 +51,32 @@ def engine_for(workdir: str, method: methods.Method, *, slots: int = 8, top_k: i
     model's context (None: the model's). A slot's KV cache holds at most this many tokens (the
     engines size it to what the occupied slots need, `relf_jax.serving.engines.slots.Spans`);
     longer requests are refused (HTTP 400).
+
+    `prefix_cache_mb` (AR and speculative): MiB of device memory for the prefix cache, which keeps
+    finished requests' keys/values so a prompt that starts like an earlier one (the next turn of a
+    conversation) prefills only the rest (`relf_jax.serving.prefix_cache`); 0: none. The
+    block-diffusion and ReLF engines denoise every request's tokens from scratch and have no KV
+    cache to reuse: they say so on stderr and run without it.
     """
     from relf_jax.loading import load_model
     from relf_jax.serving import engines as E
 
     family = methods.family_of(method)
-    if isinstance(method, methods.BlockDiffusion):
-        return E.BlockDiffusionEngine(load_model(workdir, family), slots, method=method)
-    if isinstance(method, methods.Flow):
-        return E.ReLFEngine(load_model(workdir, family), slots, method=method)
+    if isinstance(method, (methods.BlockDiffusion, methods.Flow)):
+        if prefix_cache_mb:
+            print(f"[serve] the {methods.generator_name(method)} engine does not use the prefix cache (it has no "
+                  "KV cache of the prompt to reuse)", file=sys.stderr, flush=True)
+        cls = E.BlockDiffusionEngine if isinstance(method, methods.BlockDiffusion) else E.ReLFEngine
+        return cls(load_model(workdir, family), slots, method=method)
     lm = load_model(workdir, family)
     if isinstance(method, methods.Autoregressive):
-        return E.AREngine(lm, slots, top_k=top_k, steps_per_call=_or(steps_per_call, "ar"), max_context=max_context)
-    draft, table, online = proposer_inputs(workdir, lm, method)
-    return E.SpeculativeEngine(lm, slots, method=method, draft=draft, ngram_table=table, ngram_online=online,
-                               steps_per_call=_or(steps_per_call, "speculative"), max_context=max_context)
+        engine = E.AREngine(lm, slots, top_k=top_k, steps_per_call=_or(steps_per_call, "ar"), max_context=max_context)
+    else:
+        draft, table, online = proposer_inputs(workdir, lm, method)
+        engine = E.SpeculativeEngine(lm, slots, method=method, draft=draft, ngram_table=table, ngram_online=online,
+                                     steps_per_call=_or(steps_per_call, "speculative"), max_context=max_context)
+    engine.enable_prefix_cache(prefix_cache_mb)
+    return engine
 
 
 def proposer_inputs(workdir: str, lm, method: methods.Speculative):
@@ -121,7 +133,7 @@ def build_models(workdir: str | None, generators: Sequence[methods.Method], *, m
 
     generators: `relf_jax.methods` objects (empty: `Autoregressive()`; the first is the default;
     the CLI parses its ``--generator`` names with `relf_jax.methods.parse_method`); `engine_kw`:
-    `engine_for`'s top_k, steps_per_call, max_context.
+    `engine_for`'s top_k, steps_per_call, max_context, prefix_cache_mb.
 
     policy: "fcfs", "sjf" (shortest predicted DWS cost first, with `aging` cost-seconds per
     second waited; needs `cost_fn`, e.g. `relf_jax.dws.predictor.WorkloadCost`) or "priority"

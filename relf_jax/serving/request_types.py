@@ -53,9 +53,11 @@ class Live:
     ids: list[int] = dataclasses.field(default_factory=list)  # reply tokens (stop token excluded)
     generated: int = 0  # tokens the engine produced for it (stop token included)
     sent: str = ""  # text already sent
+    unsent_ids: list[int] = dataclasses.field(default_factory=list)  # reply tokens whose text is held back
     slot: int = -1
     steps: int = 0
     accepted: int = 0
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache held (`Prefix.cached_tokens`)
     finished: bool = False
 
 

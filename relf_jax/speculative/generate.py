@@ -43,7 +43,7 @@ from kernels_pallas import dispatch
 from relf_jax.errors import UserError
 from relf_jax.sampling import processors
 from relf_jax.sampling.params import TracedSampling
-from relf_jax.sampling.prefill import first_token, prefill_cache
+from relf_jax.sampling.prefill import CachedPrefix, first_token, prefill_cache
 from relf_jax.speculative import ngram_draft
 from relf_jax.speculative.proposers import draft_model, ngram_table, prompt_lookup
 from relf_jax.speculative.state import (
@@ -191,18 +191,23 @@ def round_scored(target_graphdef, target_params, draft_graphdef, draft_params, s
 
 
 def prefill_scored(target_graphdef, target_params, draft_graphdef, draft_params, prompts, prompt_lengths, key,
-                   sp: SpecParams, settings: SpecSettings, log_probs: int = 0) -> tuple[SpecState, jax.Array | None]:
+                   sp: SpecParams, settings: SpecSettings, log_probs: int = 0, prefix: CachedPrefix | None = None,
+                   draft_prefix_cache: tuple | None = None) -> tuple[SpecState, jax.Array | None]:
     """The prompts' prefill (`relf_jax.sampling.prefill`: the target's, and the draft model's
     cache) and first token (traceable): the first state; with log_probs > 0 also the first
-    token's reported log-probs [B, 1 + 2 * log_probs] (`round_scored`)."""
+    token's reported log-probs [B, 1 + 2 * log_probs] (`round_scored`). prefix: the prompts'
+    first tokens' keys and values already in the target's cache (`CachedPrefix`), and with a
+    draft model in `draft_prefix_cache`, the draft's, at the same positions; `prompts` is still
+    the whole prompt."""
     b, p = prompts.shape
     total = p + settings.max_new_tokens + settings.k + 1
     target = nnx.merge(target_graphdef, target_params)
-    last, tcache = prefill_cache(target, prompts, prompt_lengths, total)
+    last, tcache = prefill_cache(target, prompts, prompt_lengths, total, prefix=prefix)
     dcache = ()
     if settings.proposer == "draft":
+        dprefix = None if prefix is None else prefix.replace(cache=draft_prefix_cache)
         _, dcache = prefill_cache(nnx.merge(draft_graphdef, draft_params), prompts, prompt_lengths, total,
-                                  logits=False)
+                                  logits=False, prefix=dprefix)
     t, top_k, top_p, min_p = sampling_knobs(sp, settings)
     first = first_token(last, prompts, prompt_lengths, key, TracedSampling(t, top_k, top_p, min_p, sp.penalties),
                         total=total, pad_id=settings.pad_id, eos_id=settings.eos_id,

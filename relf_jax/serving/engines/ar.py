@@ -10,23 +10,23 @@ import numpy as np
 
 from relf_jax.data.tokenizer import turn_stop_ids
 from relf_jax.errors import UserError
+from relf_jax.sampling.prefill import CachedPrefix
 from relf_jax.serving.engine_api import LOGPROBS_TOP, SAMPLING_FEATURES, StepOutput
 from relf_jax.serving.engines.slot_engine import SlotEngine
 from relf_jax.serving.engines.slots import (
     Leaves,
     Slot,
-    bucket_for,
     check_steps_per_call,
     done_at_stop_only,
     engine_context,
     float_bits,
     lp_entry,
-    pad_one,
     request_sampling,
     resize_cache,
     run_parked,
     static_sampling,
 )
+from relf_jax.serving.prefix_cache import gather_cache, model_layout
 
 
 class AREngine(SlotEngine):
@@ -54,24 +54,33 @@ class AREngine(SlotEngine):
         self._weights = Leaves(lm.params)
         self.setup()
 
-    def _settings(self, bucket: int):
+    def bucket_settings(self, bucket: int):
         return self._ar.DecodeSettings.from_tokenizer(self.tokenizer, self.max_context - bucket, track_tokens=True)
 
     def weight_args(self) -> tuple:
         return (self._weights.leaves,)
 
-    def padded(self, prompt):
-        bucket = bucket_for(len(prompt), self.max_context - 1)
-        return (*pad_one(prompt, self.tokenizer.pad_id, bucket), self._settings(bucket))
+    def kv_caches(self, slots) -> tuple:
+        return (slots.state.cache,)
 
-    def prefix_data(self, weights, prompts, lengths, seed, knobs, bias_ids, bias_vals, settings, features):
+    def kv_layouts(self) -> list:
+        return [model_layout(self.lm.model_cfg)]
+
+    def prefix_data(self, weights, prompts, lengths, seed, knobs, bias_ids, bias_vals, settings, features,
+                    cached=None):
         """(slot data, first token, done, its log-probs or None) of one padded prompt: traced,
         the seed's key made inside."""
         (params,) = weights
         sampling = request_sampling(self._ar, knobs, bias_ids, bias_vals, self.vocab_size)
+        prefix = None
+        if cached is not None:
+            pool, ids, start, suffix = cached
+            prefix = CachedPrefix(gather_cache(pool[0], ids, prompts.shape[1] + settings.max_new_tokens), start,
+                                  suffix)
         st, lp = self._ar.prefill_scored(self.lm.graphdef, self._weights.tree(params), prompts, lengths,
                                          jax.random.key(seed), static_sampling(sampling, features, self.top_k),
-                                         settings, log_probs=LOGPROBS_TOP if "logprobs" in features else 0)
+                                         settings, log_probs=LOGPROBS_TOP if "logprobs" in features else 0,
+                                         prefix=prefix)
         st = done_at_stop_only(st, lengths, self.tokenizer.eos_id)
         return Slot(state=st, sampling=sampling), st.tokens[0, lengths[0]], st.done[0], lp
 

@@ -2,10 +2,15 @@
 KV caches are sized to the occupied slots' span, `Spans`).
 
 A subclass builds its model-specific parts and calls `setup`; it implements `weight_args` (the
-weights the jitted calls take), `padded` (a prompt padded to its bucket, with the prefill's
-settings), `prefix_data` (one padded prompt's slot data, traced), `step_all` (a step over the
-slots, traced), `cache_span` / `resize_slots` (the caches' span) and `step_output` (a step's
-rows as a `StepOutput`).
+weights the jitted calls take), `bucket_settings` (the prefill's settings for a prompt bucket),
+`prefix_data` (one padded prompt's slot data, traced), `step_all` (a step over the slots,
+traced), `cache_span` / `resize_slots` (the caches' span), `kv_caches` / `kv_layouts` (its
+models' KV caches, for the prefix cache) and `step_output` (a step's rows as a `StepOutput`).
+
+With a prefix cache (`enable_prefix_cache`, `relf_jax.serving.prefix_cache`), a prompt whose
+first blocks are cached is prefilled from them: its cached blocks are gathered into the first
+slots of a fresh cache and only the rest of the prompt runs (one compilation per suffix bucket
+and span); a finished request's blocks are kept (`keep_prefix`).
 """
 
 from __future__ import annotations
@@ -19,13 +24,16 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from relf_jax.errors import UserError
 from relf_jax.serving.engine_api import Engine, Pending, Prefix, RequestParams, StepOutput
 from relf_jax.serving.engines.slots import (
     Held,
     Spans,
+    bucket_for,
     collect_rows,
     first_prefix,
     free_all_slots,
+    pad_one,
     request_knobs,
     set_slot,
     shortest_in_bucket,
@@ -34,6 +42,7 @@ from relf_jax.serving.engines.slots import (
     step_subset,
     subset_slots,
 )
+from relf_jax.serving.prefix_cache import BLOCK
 
 
 @dataclasses.dataclass
@@ -71,12 +80,26 @@ class SlotEngine(Engine):
         """The weights the jitted calls take (target, and draft or table where there is one)."""
 
     @abc.abstractmethod
-    def padded(self, prompt: Sequence[int]):
-        """(padded prompts [1, bucket], lengths [1], the prefill's static settings)."""
+    def bucket_settings(self, bucket: int):
+        """The prefill's static settings for prompts padded to `bucket` (their cache spans the context)."""
 
     @abc.abstractmethod
-    def prefix_data(self, weights, prompts, lengths, seed, knobs, bias_ids, bias_vals, settings, features):
-        """(slot data, first token, done, its log-probs or None) of one padded prompt: traced."""
+    def prefix_data(self, weights, prompts, lengths, seed, knobs, bias_ids, bias_vals, settings, features,
+                    cached=None):
+        """(slot data, first token, done, its log-probs or None) of one padded prompt: traced.
+        cached: None, or (pool, ids, start, suffix) of a prompt whose first `start` tokens are in the
+        prefix cache's pool blocks `ids` (`relf_jax.serving.prefix_cache.gather_cache`), `suffix`
+        [1, T] the rest of the prompt."""
+
+    @abc.abstractmethod
+    def kv_caches(self, slots) -> tuple:
+        """The slots' KV caches per model (target, then draft model if any): per layer (k, v)."""
+
+    @abc.abstractmethod
+    def kv_layouts(self) -> list:
+        """`relf_jax.serving.prefix_cache.model_layout` of each model of `kv_caches`."""
+
+    kv_lag: int = 1  # a finished slot holds the keys/values of all but its last `kv_lag` committed tokens
 
     @abc.abstractmethod
     def step_all(self, weights, slots, features: frozenset):
@@ -95,6 +118,38 @@ class SlotEngine(Engine):
         """The `StepOutput` of one collected call's rows."""
 
     # the shared body
+    def padded(self, prompt: Sequence[int]):
+        """(padded prompts [1, bucket], lengths [1], the prefill's static settings)."""
+        bucket = bucket_for(len(prompt), self.max_context - self.reserve() - 1)
+        return (*pad_one(prompt, self.tokenizer.pad_id, bucket), self.bucket_settings(bucket))
+
+    def enable_prefix_cache(self, budget_mb: float, block: int = BLOCK) -> None:
+        """Keep finished requests' KV blocks in a prefix cache of `budget_mb` MiB (0: none)."""
+        from relf_jax.serving.prefix_cache import PrefixCache
+
+        if not budget_mb:
+            self.prefix_cache = None
+            return
+        if budget_mb < 0:
+            raise UserError(f"the prefix cache's memory must be >= 0 MiB, got {budget_mb}")
+        if any(getattr(m.model_cfg, "rope_scaling", None) == "dynamic" for m in self.kv_models()):
+            raise UserError("the prefix cache cannot serve a model with a dynamic rope (its cached keys depend on "
+                            "the prompt's length)")
+        self.prefix_cache = PrefixCache(self.kv_layouts(), int(budget_mb * 2**20), self.max_context, block)
+        self._jit_prefill_cached = jax.jit(self._prefill_into, donate_argnums=(1,),
+                                           static_argnames=("settings", "features"))
+
+    def kv_models(self) -> list:
+        """The loaded models whose caches `kv_caches` returns."""
+        return [self.lm]
+
+    def keep_prefix(self, state, slot, tokens, committed):
+        if self.prefix_cache is None:
+            return
+        n = min(len(tokens), committed - self.kv_lag, self.cache_span(state))
+        if n >= self.prefix_cache.block:
+            self.prefix_cache.keep(self.kv_caches(state.slots), slot, tokens[:n])
+
     def request_args(self, p: RequestParams) -> dict:
         """The request's settings as the jitted prefills take them (host arrays; the rest static)."""
         ids, vals = sparse_bias(p)
@@ -112,9 +167,9 @@ class SlotEngine(Engine):
         return first_prefix(self, params, t0, first, done, len(prompt), data=data, lp=lp)
 
     def _prefill_into(self, weights, slots, prompts, lengths, seed, knobs, bias_ids, bias_vals, slot, settings,
-                      features):
+                      features, cached=None):
         data, first, done, lp = self.prefix_data(weights, prompts, lengths, seed, knobs, bias_ids, bias_vals,
-                                                 settings, features)
+                                                 settings, features, cached=cached)
         return set_slot(slots, data, slot), first, done, lp
 
     def insert(self, prefix, state, slot):
@@ -123,15 +178,50 @@ class SlotEngine(Engine):
         return state.insert(self._jit_insert(state.slots, prefix.data, slot), slot, prefix.features)
 
     def prefill_insert(self, prompt, params, state, slot) -> tuple[Held, Prefix]:
-        arr, lens, settings = self.padded(prompt)
+        start, ids = (0, None) if self.prefix_cache is None else self.prefix_cache.lookup(prompt)
         state = self._fit(state, extra=len(prompt) + 1)
         t0 = time.perf_counter()
-        slots, first, done, lp = self._jit_prefill_insert(self.weight_args(), state.slots, arr, lens,
-                                                          **self.request_args(params), slot=slot, settings=settings,
-                                                          features=params.features())
+        if start:
+            slots, first, done, lp = self._prefill_cached(state, prompt, params, slot, start, ids)
+        else:
+            arr, lens, settings = self.padded(prompt)
+            slots, first, done, lp = self._jit_prefill_insert(self.weight_args(), state.slots, arr, lens,
+                                                              **self.request_args(params), slot=slot,
+                                                              settings=settings, features=params.features())
         prefix = first_prefix(self, params, t0, first, done, len(prompt), lp=lp)
+        prefix.cached_tokens = start
         state.ends[slot] = len(prompt) + 1
         return state.insert(slots, slot, prefix.features), prefix
+
+    def _prefill_cached(self, state, prompt, params, slot, start, ids):
+        """The fused prefill + insert of `prompt` whose first `start` tokens are in the prefix
+        cache's blocks `ids`: (slots, first token, done, log-probs)."""
+        # the whole prompt padded to the widest bucket (its cache spans the context whatever the
+        # prompt, so the compilations are per suffix bucket and span only); the suffix after `start`
+        width = self.max_context - self.reserve() - 1
+        arr, lens = pad_one(prompt, self.tokenizer.pad_id, width)
+        suffix, _ = pad_one(prompt[start:], self.tokenizer.pad_id,
+                            bucket_for(len(prompt) - start, self.max_context - start))
+        cached = (self.prefix_cache.pool, ids, np.asarray([start], np.int32), suffix)
+        return self._jit_prefill_cached(self.weight_args(), state.slots, arr, lens, **self.request_args(params),
+                                        slot=slot, settings=self.bucket_settings(width), features=params.features(),
+                                        cached=cached)
+
+    def _warmup_prefix_cache(self, prompt_lengths: Sequence[int]) -> None:
+        """Compile the cached prefill at each suffix bucket of `prompt_lengths` (after one cached
+        block) and the prefix cache's store, at the current span (`Spans.pin`)."""
+        pc, bos = self.prefix_cache, self.tokenizer.bos_id
+        state = self._fit(self.init_state())
+        params = RequestParams(max_tokens=1, temperature=0.0)
+        room = self.max_context - self.reserve() - 1
+        for n in sorted({min(n, room - pc.block) for n in prompt_lengths if n >= 1} - {0}):
+            if n < 1:
+                continue
+            prompt = [bos] * (pc.block + n)
+            slots, *_ = self._prefill_cached(state, prompt, params, 0, pc.block,
+                                             np.zeros((pc.max_blocks,), np.int32))
+            state = dataclasses.replace(state, slots=slots)
+        pc.warmup(self.kv_caches(state.slots))
 
     def free(self, state, slot, stopped=False):
         return state.free(state.slots if stopped else self._jit_free(state.slots, slot), slot)
@@ -172,8 +262,10 @@ class SlotEngine(Engine):
             for span in lengths:
                 sizer.pin = span
                 # the prompt buckets whose shortest prompt fits this span
-                self.warmup_at([n for n in prompt_lengths if shortest_in_bucket(n) + 1 + sizer.advance <= span]
-                               or [1])
+                fit = [n for n in prompt_lengths if shortest_in_bucket(n) + 1 + sizer.advance <= span] or [1]
+                self.warmup_at(fit)
+                if self.prefix_cache is not None:
+                    self._warmup_prefix_cache(fit)
         finally:
             sizer.pin = None
         slots = self.init_state().slots

@@ -13,22 +13,22 @@ import numpy as np
 from relf_jax.data.tokenizer import turn_stop_ids
 from relf_jax.errors import UserError
 from relf_jax.methods import DraftModel, NgramTable, Speculative
+from relf_jax.sampling.prefill import CachedPrefix
 from relf_jax.serving.engine_api import LOGPROBS_TOP, SAMPLING_FEATURES, StepOutput
 from relf_jax.serving.engines.slot_engine import SlotEngine
 from relf_jax.serving.engines.slots import (
     Leaves,
     Slot,
-    bucket_for,
     check_steps_per_call,
     done_at_stop_only,
     engine_context,
     float_bits,
     lp_entry,
-    pad_one,
     request_sampling,
     resize_cache,
     run_parked,
 )
+from relf_jax.serving.prefix_cache import gather_cache, model_layout
 
 
 class SpeculativeEngine(SlotEngine):
@@ -136,19 +136,42 @@ class SpeculativeEngine(SlotEngine):
         return (self._target_w.tree(target_params),
                 self._draft_w.tree(draft_params) if self._draft_w is not None else draft_params)
 
-    def padded(self, prompt):
-        bucket = bucket_for(len(prompt), self.max_context - self.reserve() - 1)
-        return (*pad_one(prompt, self.tokenizer.pad_id, bucket), self._settings(self.max_context - bucket - self.k - 1))
+    def bucket_settings(self, bucket: int):
+        return self._settings(self.max_context - bucket - self.k - 1)
 
-    def prefix_data(self, weights, prompts, lengths, seed, knobs, bias_ids, bias_vals, settings, features):
+    def kv_models(self) -> list:
+        return [self.lm] + ([self.draft] if self.draft is not None else [])
+
+    def kv_caches(self, slots) -> tuple:
+        st = slots.state
+        return (st.target_cache, st.draft_cache) if self.draft is not None else (st.target_cache,)
+
+    def kv_layouts(self) -> list:
+        return [model_layout(m.model_cfg) for m in self.kv_models()]
+
+    @property
+    def kv_lag(self) -> int:
+        # the draft model re-feeds the last two committed tokens each round: its keys/values of
+        # the one before the last may not be written yet
+        return 2 if self.draft is not None else 1
+
+    def prefix_data(self, weights, prompts, lengths, seed, knobs, bias_ids, bias_vals, settings, features,
+                    cached=None):
         """(slot data, first token, done, its log-probs or None) of one padded prompt: traced,
         the seed's key made inside."""
         dg = self.draft.graphdef if self.draft is not None else None
         target_params, draft_params = self._weights(weights)
         sp = self._spec_params(knobs, bias_ids, bias_vals)
+        prefix = draft_cache = None
+        if cached is not None:
+            pool, ids, start, suffix = cached
+            total = prompts.shape[1] + settings.max_new_tokens + settings.k + 1
+            prefix = CachedPrefix(gather_cache(pool[0], ids, total), start, suffix)
+            draft_cache = gather_cache(pool[1], ids, total) if self.draft is not None else None
         st, lp = self._spec.prefill_scored(self.lm.graphdef, target_params, dg, draft_params, prompts, lengths,
                                            jax.random.key(seed), self._static_params(sp, features), settings,
-                                           log_probs=LOGPROBS_TOP if "logprobs" in features else 0)
+                                           log_probs=LOGPROBS_TOP if "logprobs" in features else 0,
+                                           prefix=prefix, draft_prefix_cache=draft_cache)
         st = done_at_stop_only(st, lengths, self.tokenizer.eos_id)
         return Slot(state=st, sampling=sp), st.tokens[0, lengths[0]], st.done[0], lp
 

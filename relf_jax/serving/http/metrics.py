@@ -49,6 +49,15 @@ def prometheus_text(models: dict[str, list[ServedEngine]], http_totals: dict | N
            each(lambda s: s.batcher.stats.tokens / max(s.batcher.stats.slot_steps, 1)))
     metric("relf_accepted_draft_tokens_total", "counter", "Speculative draft tokens accepted.",
            each(lambda s: s.batcher.stats.accepted))
+    cached = [(n, s, s.engine.prefix_cache.metrics()) for n, s in served if s.engine.prefix_cache is not None]
+    for key, kind, doc in (("hits", "counter", "Prefills that reused cached prefix blocks."),
+                           ("lookups", "counter", "Prefills that looked their prompt up in the prefix cache."),
+                           ("hit_tokens", "counter", "Prompt tokens served from the prefix cache (not prefilled)."),
+                           ("evictions", "counter", "Prefix-cache blocks evicted (least recently used)."),
+                           ("bytes_in_use", "gauge", "Bytes of the prefix cache's blocks holding a prefix."),
+                           ("bytes_budget", "gauge", "Bytes of the prefix cache's pool (its memory budget).")):
+        metric(f"relf_prefix_cache_{key}" + ("_total" if kind == "counter" else ""), kind, doc,
+               [({"model": n, "generator": s.generator}, m[key]) for n, s, m in cached])
     lines.append("# HELP relf_ttft_seconds Time to first token.")
     lines.append("# TYPE relf_ttft_seconds histogram")
     for n, s in served:

@@ -132,7 +132,11 @@ def usage_of(finals: list[Event]) -> dict:
     us = [ev.usage or {} for ev in finals]
     prompt = us[0].get("prompt_tokens", 0) if us else 0
     completion = sum(u.get("completion_tokens", 0) for u in us)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    # as the OpenAI API reports them: prompt tokens served from the prefix cache (the choices share
+    # one prompt; each was prefilled on its own, so the smallest count is what every one reused)
+    cached = min((u.get("cached_tokens", 0) for u in us), default=0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class Reply:
