@@ -191,3 +191,23 @@ def test_a_dynamic_rope_model_refuses_the_prefix_cache():
     engine = AREngine(tiny_lm("ar", max_seq_len=64, rope_scaling="dynamic", rope_factor=2.0), 1)
     with pytest.raises(UserError, match="dynamic rope"):
         engine.enable_prefix_cache(1.0)
+
+
+def test_bench_multiturn_part_runs_conversations_against_two_servers(tmp_path):
+    """`bench serve --parts multiturn`'s machinery on two mock servers (which echo the last user
+    turn): every conversation runs all its turns on both, per-turn TTFTs, the table and the plot."""
+    from experiments.bench.serve_multiturn import MultiturnSizes, multiturn_part, plot_ttft, ttft_table
+
+    sz = MultiturnSizes(conversations=2, turns=3, max_tokens=60, max_user_tokens=40, reps=1, prefix_cache_mb=1.0,
+                        saturating_factor=4.0)
+    mt = multiturn_part(["--mock"], sz, 2, TOK, str(tmp_path), seed=0)
+    for load in ("batch1", "saturating"):
+        for side in ("on", "off"):
+            ttft = mt["ttft_ms_by_turn"][load][side]
+            assert len(ttft) == 3 and all(t is not None and t > 0 for t in ttft)
+        assert mt["errors"][load] == {"off": 0, "on": 0}
+        assert mt["turn8_ttft_ratio_off_over_on"][load] > 0  # the last turn's (3 here)
+    assert mt["identical_replies"] and mt["tokens_per_s_ratio_on_over_off"] > 0
+    assert len(ttft_table(mt).splitlines()) == 2 + 3
+    plot_ttft(mt, str(tmp_path / "ttft.png"))
+    assert (tmp_path / "ttft.png").stat().st_size > 0

@@ -7,8 +7,8 @@ prompts). Every request records its time to first token (TTFT), time per output 
 the first (TPOT), end-to-end latency and its output tokens (the server's usage report);
 a run reports p50/p99 of each, the mean latency, output tokens/s over the run, and errors.
 
-Three comparisons, each side by side in one run (parts "engines": 1 and 2, "batcher": the
-second half of 1, "dws": 3):
+Four comparisons, each side by side in one run (parts "engines": 1 and 2, "batcher": the
+second half of 1, "dws": 3, "multiturn": 4):
 
 1. **AR vs NSD speculative engines** (same model, `slots` slots, FCFS; NSD with its distilled
    draft, with the prompt-lookup proposer and with the corpus n-gram table): the same request stream at several rates,
@@ -37,6 +37,10 @@ second half of 1, "dws": 3):
    (the batch-1 rate); the simulator's service times are the batch-1 times scaled to it. SJF
    ranks by the DWS predictor's cost (`relf_jax.dws.predictor.WorkloadCost`, from ``relf-jax
    bench dws``), scored as each request arrives (`relf_jax.serving.batching`).
+4. **Multi-turn conversations with and without the prefix cache** (`serve_multiturn`): 8-turn
+   conversations from the chat corpus against two AR servers of the same model, one with
+   ``--prefix-cache-mb``; the median TTFT of each turn at batch 1 and at a saturating rate, output
+   tokens/s, whether the replies are token-identical, and the cache's hits and memory.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from experiments.bench.common import draft_steps, reply_quality
 from experiments.bench.serve_batcher import batcher_part
 from experiments.bench.serve_client import chat_bodies, run_load, summarize_run
 from experiments.bench.serve_dws import dws_part
+from experiments.bench.serve_multiturn import QUICK_MULTITURN, MultiturnSizes, multiturn_part, plot_ttft, ttft_table
 from experiments.bench.serve_servers import ServerProcess, batch1_run, lean_route_batch1
 from relf_jax.config import make_config
 from relf_jax.dws.workload import workload_prompts
@@ -84,6 +89,7 @@ class ServeBenchSizes:
     max_context: int | None = None  # AR / NSD engines: `relf-jax serve --max-context` (None: the model's)
     dws_aging_horizon: float = 100.0  # in mean predicted costs: one size spread gained per this many
     seed: int = 0
+    multiturn: MultiturnSizes = MultiturnSizes()
 
 
 # the engines compared on one request stream: name -> `relf-jax serve` arguments
@@ -95,17 +101,18 @@ SPEC_ENGINES = (("ar", ["--generator", "ar"]),
 QUICK = ServeBenchSizes(preset="tiny", requests=48, rate_factors=(1.0, 8.0), batch1_requests=8, lean_route_reps=1,
                         batcher_reps=1,
                         dws_requests=48,
-                        dws_loads=(1.2,), dws_reps=1, max_tokens=32, dws_max_tokens=48)
+                        dws_loads=(1.2,), dws_reps=1, max_tokens=32, dws_max_tokens=48,
+                        multiturn=QUICK_MULTITURN)
 
 
-PARTS = ("engines", "batcher", "dws")
+PARTS = ("engines", "batcher", "dws", "multiturn")
 
 
 def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),
                 sizes: ServeBenchSizes | None = None, parts: Sequence[str] = PARTS) -> dict:
     """Runs the comparisons named in `parts` ("engines": 1 + 2 of the module docstring; "batcher":
-    the same engines' capacity without the server, `batcher_capacity`; "dws": 3) and writes the
-    JSON to `out`."""
+    the same engines' capacity without the server, `batcher_capacity`; "dws": 3; "multiturn": 4,
+    with its TTFT-per-turn plot next to `out`) and writes the JSON to `out`."""
     unknown = sorted(set(parts) - set(PARTS))
     if unknown or not parts:
         raise UserError(f"bench serve parts must be a non-empty subset of {', '.join(PARTS)}; got {list(parts)}")
@@ -113,7 +120,8 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
     workdir = workdir or os.path.join("runs", f"bench_serve_{sz.preset}")
     os.makedirs(workdir, exist_ok=True)
     t_start = time.perf_counter()
-    cfg = ensure_models(workdir, sz.preset, overrides)
+    # the distilled draft serves the NSD engines of parts engines and batcher only
+    cfg = ensure_models(workdir, sz.preset, overrides, draft=bool({"engines", "batcher"} & set(parts)))
     judge = exact_judge(cfg)
     tok = load_model(workdir, "ar").tokenizer
     n_all = max(sz.requests, sz.batch1_requests, sz.dws_requests)
@@ -130,6 +138,10 @@ def bench_serve(out: str, quick: bool = False, workdir: str | None = None, overr
         result.update(batcher_part(workdir, sz, prompts, SPEC_ENGINES))
     if "dws" in parts:  # 3: FCFS vs SJF-DWS on the block-diffusion engine, one slot
         result.update(dws_part(workdir, quick, sz, prompts, logs))
+    if "multiturn" in parts:  # 4: multi-turn conversations with and without the prefix cache
+        result["multiturn"] = multiturn_part(["--workdir", workdir], sz.multiturn, sz.slots, tok, logs, sz.seed)
+        plot_ttft(result["multiturn"], os.path.splitext(out)[0] + "_multiturn_ttft.png")
+        print(ttft_table(result["multiturn"]), flush=True)
     result["wall_s"] = time.perf_counter() - t_start
     write_json(out, result)
     print(json.dumps(summary(result, parts), indent=2))
@@ -146,17 +158,22 @@ def summary(result: dict, parts: Sequence[str]) -> dict:
             out["lean_route_batch1"] = {k: v for k, v in result["lean_route_batch1"].items()
                                         if k.endswith(("_over_lean_server_ms", "_over_lean_e2e"))
                                         or k == "median_server_overhead_share"}
+    if "multiturn" in parts:
+        mt = result["multiturn"]
+        out["multiturn"] = {k: mt[k] for k in ("turn8_ttft_ratio_off_over_on", "tokens_per_s_ratio_on_over_off",
+                                               "identical_replies", "memory_within_budget")}
     if "dws" in parts:
         out["dws"] = {k: {"measured": v["ratio_fcfs_over_sjf_measured"],
                           "simulated": v["ratio_fcfs_over_sjf_simulated"]} for k, v in result["dws"]["loads"].items()}
     return out
 
 
-def ensure_models(workdir: str, preset: str, overrides: Sequence[str]):
-    """The target and its distilled draft in `workdir` (trained, resumed or reused); the config."""
+def ensure_models(workdir: str, preset: str, overrides: Sequence[str], draft: bool = True):
+    """The target and (draft=True) its distilled draft in `workdir` (trained, resumed or reused); the config."""
     cfg = make_config(preset, list(overrides), workdir=workdir)
     rj.train(cfg)
-    train_draft(cfg.workdir, [f"train.steps={draft_steps(cfg)}"])
+    if draft:
+        train_draft(cfg.workdir, [f"train.steps={draft_steps(cfg)}"])
     return cfg
 
 

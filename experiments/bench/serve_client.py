@@ -46,7 +46,7 @@ def summarize_run(records: list[dict], wall_s: float) -> dict:
             "requests_per_s": len(ok) / max(wall_s, 1e-9)}
 
 
-async def _one(client, url: str, body: dict, at: float, t0: float) -> dict:
+async def one_request(client, url: str, body: dict, at: float, t0: float) -> dict:
     await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
     sent = time.perf_counter()
     rec = {"arrival": at, "ttft": None, "e2e": None, "tokens": 0, "error": None, "text": "", "finish": None}
@@ -99,9 +99,9 @@ def load_child(spec: dict) -> dict:
             if spec["arrivals"] is None:  # closed loop, batch 1
                 recs = []
                 for body in spec["bodies"]:
-                    recs.append(await _one(client, spec["url"], body, 0.0, time.perf_counter()))
+                    recs.append(await one_request(client, spec["url"], body, 0.0, time.perf_counter()))
             else:
-                recs = await asyncio.gather(*(_one(client, spec["url"], b, a, t0)
+                recs = await asyncio.gather(*(one_request(client, spec["url"], b, a, t0)
                                               for b, a in zip(spec["bodies"], spec["arrivals"])))
             return list(recs), time.perf_counter() - t0
 

@@ -18,11 +18,11 @@ from experiments.bench.serve_client import run_load, summarize_run
 
 
 class ServerProcess:
-    """`relf-jax serve ARGS` on a free 127.0.0.1 port; ready once /health answers."""
+    """`relf-jax serve ARGS` on a free 127.0.0.1 port; ready once /health answers (the constructor
+    waits for it unless ``wait=False``: then `wait_ready` does, so several servers start at once)."""
 
-    def __init__(self, args: list[str], log_path: str, ready_timeout_s: float = 900.0, child_spec: dict | None = None):
-        import httpx
-
+    def __init__(self, args: list[str], log_path: str, ready_timeout_s: float = 900.0, child_spec: dict | None = None,
+                 wait: bool = True):
         s = socket.socket()
         s.bind(("127.0.0.1", 0))
         self.port = s.getsockname()[1]
@@ -37,13 +37,22 @@ class ServerProcess:
                     "policies_server_child(json.loads(sys.argv[1]))")
             cmd = [sys.executable, "-c", code, json.dumps({**child_spec, "port": self.port})]
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + ready_timeout_s
+        self.log_path, self.ready_timeout_s, self.started = log_path, ready_timeout_s, time.monotonic()
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> ServerProcess:
+        """Wait until /health answers (a RuntimeError if the server exits or does not start in time)."""
+        import httpx
+
+        log_path, ready_timeout_s = self.log_path, self.ready_timeout_s
+        deadline = self.started + ready_timeout_s
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited ({self.proc.returncode}); see {log_path}")
             try:
                 if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    return
+                    return self
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:

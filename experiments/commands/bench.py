@@ -24,7 +24,8 @@ def bench_args(p):
     p.add_argument("--workdir", default=None, help="where models are trained / cached")
     p.add_argument("--parts", default=None, help="bench serve and relf only: which parts, comma-separated; serve: "
                                                  "engines (AR vs NSD, batch-1 overhead), batcher (the same engines "
-                                                 "without the server) and dws (FCFS vs SJF-DWS); "
+                                                 "without the server), dws (FCFS vs SJF-DWS) and multiturn "
+                                                 "(8-turn conversations, prefix cache on vs off); "
                                                  "relf: models, reflow (reflow and no-pairs control rounds), "
                                                  "latency; default all")
     p.add_argument("--budgets", default=None, help="bench bd only: training budgets in steps, comma-separated "

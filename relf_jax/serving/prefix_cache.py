@@ -213,10 +213,16 @@ class PrefixCache:
         self.block, self.max_context, self.block_bytes = block, max_context, per_block
         self.max_blocks = -(-max_context // block)  # a lookup's ids are padded to this many (one compilation)
         self.tree = BlockTree(num_blocks, block)
-        self.pool = tuple(tuple((jnp.zeros((num_blocks, kv, block, dh), dt), jnp.zeros((num_blocks, kv, block, dh), dt))
-                                for _ in range(n)) for n, kv, dh, dt in layouts)
+        # one placement for the pool, before and after every store: the jitted calls that take it
+        # are then compiled once. (An uncommitted jnp.zeros, or a store's output placed by
+        # propagation from the engine's mesh-sharded caches, keys another compilation each time the
+        # pool's type changes, so the warm-up's programs would not be the ones serving uses.)
+        self.sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        self.pool = jax.device_put(tuple(tuple((jnp.zeros((num_blocks, kv, block, dh), dt),
+                                                jnp.zeros((num_blocks, kv, block, dh), dt))
+                                               for _ in range(n)) for n, kv, dh, dt in layouts), self.sharding)
         self.stats = PrefixStats()
-        self._store = jax.jit(_store, donate_argnums=(0,))
+        self._store = jax.jit(_store, donate_argnums=(0,), out_shardings=self.sharding)
 
     @property
     def budget_bytes(self) -> int:
@@ -230,16 +236,20 @@ class PrefixCache:
     def lookup(self, prompt: Sequence[int]) -> tuple[int, np.ndarray]:
         """(cached prompt tokens `start`, pool ids [max_blocks] int32 padded with 0) of `prompt`'s
         longest cached prefix, leaving at least its last token to prefill (the first reply
-        token's logits come from it)."""
+        token's logits come from it). The caller may use fewer of the blocks; it reports what it
+        used with `record`."""
         ids = self.tree.match([int(t) for t in prompt], max_blocks=(len(prompt) - 1) // self.block)
-        self.stats.lookups += 1
-        self.stats.prompt_tokens += len(prompt)
-        if ids:
-            self.stats.hits += 1
-            self.stats.hit_tokens += len(ids) * self.block
         out = np.zeros((self.max_blocks,), np.int32)
         out[:len(ids)] = ids
         return len(ids) * self.block, out
+
+    def record(self, prompt_len: int, cached: int) -> None:
+        """Count a prefill of `prompt_len` tokens whose first `cached` came from the cache."""
+        self.stats.lookups += 1
+        self.stats.prompt_tokens += prompt_len
+        if cached:
+            self.stats.hits += 1
+            self.stats.hit_tokens += cached
 
     def keep(self, caches: tuple, slot: int, tokens: Sequence[int]) -> None:
         """Cache the full blocks of `tokens`, whose keys and values (every one of them) are in

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from relf_jax.errors import UserError
+from relf_jax.sampling.autoregressive import prompt_bucket
 from relf_jax.serving.engine_api import Engine, Pending, Prefix, RequestParams, StepOutput
 from relf_jax.serving.engines.slots import (
     Held,
@@ -178,20 +179,31 @@ class SlotEngine(Engine):
         return state.insert(self._jit_insert(state.slots, prefix.data, slot), slot, prefix.features)
 
     def prefill_insert(self, prompt, params, state, slot) -> tuple[Held, Prefix]:
-        start, ids = (0, None) if self.prefix_cache is None else self.prefix_cache.lookup(prompt)
+        start, ids = 0, None
+        if self.prefix_cache is not None:
+            start, ids = self.prefix_cache.lookup(prompt)
+            # the suffix runs padded to its power-of-two bucket, which must end inside the cache:
+            # near the context's end, fewer cached blocks (a longer suffix) rather than a bucket
+            # of another size (a compilation while serving); none at all if no bucket fits
+            while start and start + prompt_bucket(len(prompt) - start) > self.max_context:
+                start -= self.prefix_cache.block
+            self.prefix_cache.record(len(prompt), start)
         state = self._fit(state, extra=len(prompt) + 1)
         t0 = time.perf_counter()
         if start:
             slots, first, done, lp = self._prefill_cached(state, prompt, params, slot, start, ids)
         else:
-            arr, lens, settings = self.padded(prompt)
-            slots, first, done, lp = self._jit_prefill_insert(self.weight_args(), state.slots, arr, lens,
-                                                              **self.request_args(params), slot=slot,
-                                                              settings=settings, features=params.features())
+            slots, first, done, lp = self._prefill_whole(state, prompt, params, slot)
         prefix = first_prefix(self, params, t0, first, done, len(prompt), lp=lp)
         prefix.cached_tokens = start
         state.ends[slot] = len(prompt) + 1
         return state.insert(slots, slot, prefix.features), prefix
+
+    def _prefill_whole(self, state, prompt, params, slot):
+        """The fused prefill + insert of the whole `prompt`: (slots, first token, done, log-probs)."""
+        arr, lens, settings = self.padded(prompt)
+        return self._jit_prefill_insert(self.weight_args(), state.slots, arr, lens, **self.request_args(params),
+                                        slot=slot, settings=settings, features=params.features())
 
     def _prefill_cached(self, state, prompt, params, slot, start, ids):
         """The fused prefill + insert of `prompt` whose first `start` tokens are in the prefix
@@ -200,8 +212,7 @@ class SlotEngine(Engine):
         # prompt, so the compilations are per suffix bucket and span only); the suffix after `start`
         width = self.max_context - self.reserve() - 1
         arr, lens = pad_one(prompt, self.tokenizer.pad_id, width)
-        suffix, _ = pad_one(prompt[start:], self.tokenizer.pad_id,
-                            bucket_for(len(prompt) - start, self.max_context - start))
+        suffix, _ = pad_one(prompt[start:], self.tokenizer.pad_id, prompt_bucket(len(prompt) - start))
         cached = (self.prefix_cache.pool, ids, np.asarray([start], np.int32), suffix)
         return self._jit_prefill_cached(self.weight_args(), state.slots, arr, lens, **self.request_args(params),
                                         slot=slot, settings=self.bucket_settings(width), features=params.features(),
@@ -213,11 +224,17 @@ class SlotEngine(Engine):
         pc, bos = self.prefix_cache, self.tokenizer.bos_id
         state = self._fit(self.init_state())
         params = RequestParams(max_tokens=1, temperature=0.0)
+        # the slots as serving holds them, the output of a jitted call (a fresh state's arrays are
+        # placed otherwise, and a call on them compiles a program serving would not use)
+        slots, *_ = self._prefill_whole(state, [bos], params, 0)
+        state = dataclasses.replace(state, slots=slots)
+        # the suffix buckets of these lengths that fit after one cached block (`prefill_insert`),
+        # each with its shortest suffix
         room = self.max_context - self.reserve() - 1
-        for n in sorted({min(n, room - pc.block) for n in prompt_lengths if n >= 1} - {0}):
-            if n < 1:
+        for b in sorted({prompt_bucket(n) for n in prompt_lengths}):
+            if pc.block + b > self.max_context or pc.block + shortest_in_bucket(b) > room:
                 continue
-            prompt = [bos] * (pc.block + n)
+            prompt = [bos] * (pc.block + shortest_in_bucket(b))
             slots, *_ = self._prefill_cached(state, prompt, params, 0, pc.block,
                                              np.zeros((pc.max_blocks,), np.int32))
             state = dataclasses.replace(state, slots=slots)
@@ -254,7 +271,11 @@ class SlotEngine(Engine):
 
     def warmup(self, prompt_lengths: Sequence[int] | None = None, spans: int | None = None) -> None:
         """`Engine.warmup` at every cache span a prompt of `prompt_lengths` can meet, or at the
-        `spans` shortest ones only (the others compile when first used)."""
+        `spans` shortest ones only (the others compile when first used). The default lengths
+        include the longest prompt a slot holds (the last bucket, capped at it: a conversation
+        past half the context lands there)."""
+        if prompt_lengths is None:
+            prompt_lengths = [*self.warmup_lengths(None), self.max_context]
         prompt_lengths = self.warmup_lengths(prompt_lengths)
         sizer = self.spans
         lengths = sizer.lengths if spans is None else sizer.lengths[:max(1, spans)]
