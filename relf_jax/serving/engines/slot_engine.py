@@ -137,8 +137,6 @@ class SlotEngine(Engine):
             raise UserError("the prefix cache cannot serve a model with a dynamic rope (its cached keys depend on "
                             "the prompt's length)")
         self.prefix_cache = PrefixCache(self.kv_layouts(), int(budget_mb * 2**20), self.max_context, block)
-        self._jit_prefill_cached = jax.jit(self._prefill_into, donate_argnums=(1,),
-                                           static_argnames=("settings", "features"))
 
     def kv_models(self) -> list:
         """The loaded models whose caches `kv_caches` returns."""
@@ -214,7 +212,7 @@ class SlotEngine(Engine):
         arr, lens = pad_one(prompt, self.tokenizer.pad_id, width)
         suffix, _ = pad_one(prompt[start:], self.tokenizer.pad_id, prompt_bucket(len(prompt) - start))
         cached = (self.prefix_cache.pool, ids, np.asarray([start], np.int32), suffix)
-        return self._jit_prefill_cached(self.weight_args(), state.slots, arr, lens, **self.request_args(params),
+        return self._jit_prefill_insert(self.weight_args(), state.slots, arr, lens, **self.request_args(params),
                                         slot=slot, settings=self.bucket_settings(width), features=params.features(),
                                         cached=cached)
 
