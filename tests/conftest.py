@@ -27,15 +27,18 @@ def pytest_configure(config):
     if not hasattr(config, "workerinput") and "RELF_JAX_TEST_JIT_CACHE" not in os.environ:
         config._relf_jit_cache = tempfile.mkdtemp(prefix="relf_jax_test_jit_")
         os.environ["RELF_JAX_TEST_JIT_CACHE"] = config._relf_jit_cache
-    # The tests' programs are tiny, so compiling them takes most of the suite's time. Three XLA:CPU
+    # The tests' programs are tiny, so compiling them takes most of the suite's time. Four XLA:CPU
     # flags cut compile time; the tests' checks hold with and without them (measured on this suite):
     # - LLVM at optimisation level 0 (XLA's default is 3): 1.3-1.5x faster compiles of the
     #   engine and training tests;
     # - the older loop emitters for fusions instead of the MLIR fusion emitters, and
-    # - no XNNPACK rewrite of dots: together 1.5-1.9x on the engine and speculative tests.
+    # - no XNNPACK rewrite of dots: together 1.5-1.9x on the engine and speculative tests;
+    # - LLVM code generation in one piece (`xla_cpu_parallel_codegen_split_count=1`): XLA splits a
+    #   program's LLVM module to compile the parts on a thread pool, and with two xdist workers on
+    #   two cores those threads only compete: 0.80-0.95x the engine tests' wall time (4 runs each).
     # The per-program options of relf_jax.runtime.compile_options still apply. The flags go into
     # XLA_FLAGS, so they reach the CLI subprocesses too.
-    # RELF_JAX_TEST_LLVM_OPT=N picks another LLVM level; RELF_JAX_TEST_XLA_DEFAULTS=1 drops all three.
+    # RELF_JAX_TEST_LLVM_OPT=N picks another LLVM level; RELF_JAX_TEST_XLA_DEFAULTS=1 drops all four.
     # XLA aborts the process on a flag it does not know, so each flag is first tried in a
     # subprocess (once per run, by the controller; the workers inherit the result): a jaxlib
     # that has dropped one runs the suite without it.
@@ -44,7 +47,8 @@ def pytest_configure(config):
         flags = os.environ.get("XLA_FLAGS", "")
         wanted = [f"--{name}={value}" for name, value in (
             ("xla_backend_optimization_level", level), ("xla_cpu_use_fusion_emitters", "false"),
-            ("xla_cpu_use_xnnpack", "false")) if name not in flags]
+            ("xla_cpu_use_xnnpack", "false"),
+            ("xla_cpu_parallel_codegen_split_count", "1")) if name not in flags]
         if wanted and not _xla_accepts(flags, wanted):
             wanted = [f for f in wanted if _xla_accepts(flags, [f])]
         os.environ["XLA_FLAGS"] = " ".join([flags, *wanted]).strip()
@@ -64,6 +68,15 @@ def _xla_accepts(flags: str, extra: list[str]) -> bool:
         return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120).returncode == 0
     except subprocess.TimeoutExpired:
         return False
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Files with end-to-end (`entry`) tests first: the xdist workers take tests in collection
+    order, so a one-to-two-minute test collected late keeps one worker busy after the other has
+    run out of work; started first, the short tests fill in around it. Whole files move, so their
+    module fixtures are still built once; otherwise collection order is kept."""
+    first = {item.path for item in items if item.get_closest_marker("entry") is not None}
+    items.sort(key=lambda item: item.path not in first)
 
 
 def pytest_unconfigure(config):

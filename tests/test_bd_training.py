@@ -53,10 +53,11 @@ def test_packed_documents_give_the_logits_they_give_alone(bd):
     clean = jnp.asarray(np.concatenate([a, b])[None], jnp.int32)
     noisy = jnp.where(jnp.asarray(rng.random((1, 14)) < 0.5), V, clean)
     seg = jnp.asarray([[1] * 8 + [2] * 6], jnp.int32)
-    model = nnx.merge(graphdef, params)
-    packed = np.asarray(model.training_logits(noisy, clean, seg))
-    alone_b = np.asarray(model.training_logits(noisy[:, 8:], clean[:, 8:]))
-    alone_a = np.asarray(model.training_logits(noisy[:, :8], clean[:, :8]))
+    # jitted: run op by op, the three forwards compile ~200 small programs
+    logits = jax.jit(lambda p, *args: nnx.merge(graphdef, p).training_logits(*args))
+    packed = np.asarray(logits(params, noisy, clean, seg))
+    alone_b = np.asarray(logits(params, noisy[:, 8:], clean[:, 8:]))
+    alone_a = np.asarray(logits(params, noisy[:, :8], clean[:, :8]))
     np.testing.assert_allclose(packed[:, 8:], alone_b, atol=1e-4)
     np.testing.assert_allclose(packed[:, :8], alone_a, atol=1e-4)
 
@@ -71,7 +72,7 @@ def test_loss_only_on_text(bd):
     """Padding (segment id 0) is never masked and takes no loss; each document's first token is
     never masked; what sits in the padding does not move the loss."""
     _cfg, (graphdef, params) = bd
-    model = nnx.merge(graphdef, params)
+    loss_fn = jax.jit(lambda p, batch, key: masked_diffusion_loss(nnx.merge(graphdef, p), batch, key))
     rng = np.random.default_rng(1)
     toks = rng.integers(4, V, (2, 17)).astype(np.int32)
     seg = np.asarray([[1] * 7 + [2] * 5 + [0] * 5, [1] * 16 + [0]], np.int32)
@@ -79,12 +80,12 @@ def test_loss_only_on_text(bd):
     other = toks.copy()
     other[0, 12:] = rng.integers(4, V, 5)  # change only the padding
     key = jax.random.key(3)
-    loss, aux = masked_diffusion_loss(model, batch, key)
-    loss2, aux2 = masked_diffusion_loss(model, {**batch, "tokens": jnp.asarray(other)}, key)
+    loss, aux = loss_fn(params, batch, key)
+    loss2, aux2 = loss_fn(params, {**batch, "tokens": jnp.asarray(other)}, key)
     assert float(loss) == pytest.approx(float(loss2), abs=1e-6) and float(aux["tokens"]) == float(aux2["tokens"])
     # over many keys: masked counts never exceed the maskable text (not pad, not document starts)
     maskable = (7 - 1) + (5 - 1) + (16 - 1)
-    counts = [float(masked_diffusion_loss(model, batch, jax.random.key(i))[1]["tokens"]) for i in range(6)]
+    counts = [float(loss_fn(params, batch, jax.random.key(i))[1]["tokens"]) for i in range(6)]
     assert max(counts) <= maskable and max(counts) > 0
 
 

@@ -126,18 +126,27 @@ def test_length_ce_term():
     batch = {k: jnp.asarray(v) for k, v in data.batch(np.arange(8)).items()}
     mcfg = dataclasses.replace(pr.predictor_config(V, D, NB, "surface", d_model=16, num_layers=1, max_len=8),
                                predictor_block_head="length")
-    model = build_model(mcfg, nnx.Rngs(0))
-    out = model(batch["tokens"], batch["length"])
-    s = pr.predicted_surface(out, batch["length"], D)
-    brier = float(jnp.mean((s - batch["executed"]) ** 2))
-    logp = jax.nn.log_softmax(out["length_logits"], axis=-1)  # every toy reply fits the grid
-    ce = -float(np.mean([logp[i, int(data.out_len[i]) - 1] for i in range(8)]))
-    loss, aux = pr.brier_loss(model, batch, jax.random.key(0))
+    graphdef, params = nnx.split(build_model(mcfg, nnx.Rngs(0)))
+
+    @jax.jit
+    def reference(p):
+        out = nnx.merge(graphdef, p)(batch["tokens"], batch["length"])
+        s = pr.predicted_surface(out, batch["length"], D)
+        return jnp.mean((s - batch["executed"]) ** 2), jax.nn.log_softmax(out["length_logits"], axis=-1)
+
+    def loss_of(g, p, **kw):  # jitted: run op by op it compiles ~100 small programs
+        return jax.jit(lambda p: pr.brier_loss(nnx.merge(g, p), batch, jax.random.key(0), **kw))(p)
+
+    brier, logp = (np.asarray(x) for x in reference(params))
+    brier = float(brier)
+    ce = -float(np.mean([logp[i, int(data.out_len[i]) - 1] for i in range(8)]))  # every toy reply fits the grid
+    loss, aux = loss_of(graphdef, params)
     assert float(loss) == pytest.approx(brier + pr.LENGTH_CE_WEIGHT * ce, rel=1e-5)
     assert float(aux["length_ce"]) == pytest.approx(ce, rel=1e-5)
-    assert float(pr.brier_loss(model, batch, jax.random.key(0), length_weight=0.0)[0]) == pytest.approx(brier, rel=1e-5)
-    cont = build_model(pr.predictor_config(V, D, NB, "surface", d_model=16, num_layers=1, max_len=8), nnx.Rngs(0))
-    assert float(pr.brier_loss(cont, batch, jax.random.key(0))[1]["length_ce"]) == 0.0
+    assert float(loss_of(graphdef, params, length_weight=0.0)[0]) == pytest.approx(brier, rel=1e-5)
+    cont = nnx.split(build_model(pr.predictor_config(V, D, NB, "surface", d_model=16, num_layers=1, max_len=8),
+                                 nnx.Rngs(0)))
+    assert float(loss_of(*cont)[1]["length_ce"]) == 0.0
 
 
 def test_workload_cost_scores_a_batch_as_one_by_one():

@@ -328,7 +328,10 @@ def _reference_log_probs(lm, prompt, reply, params: RequestParams):
     from relf_jax.sampling import processors
 
     seq = jnp.asarray([list(prompt) + list(reply)], jnp.int32)
-    logits = np.asarray(nnx.merge(lm.graphdef, lm.params)(seq, jnp.arange(seq.shape[1])[None])[0])[0]
+    # jitted (op by op these compile ~80 small programs); the sampling parameters stay static
+    forward = jax.jit(lambda p, seq: nnx.merge(lm.graphdef, p)(seq, jnp.arange(seq.shape[1])[None])[0])
+    report = jax.jit(processors.reported_log_probs, static_argnums=(1, 2, 3, 4))
+    logits = np.asarray(forward(lm.params, seq))[0]
     v = logits.shape[-1]
     bias = np.zeros(v, np.float32)
     for t, b in params.logit_bias:
@@ -341,8 +344,8 @@ def _reference_log_probs(lm, prompt, reply, params: RequestParams):
         x = logits[len(prompt) - 1 + j].astype(np.float64) + bias
         x = np.where(seen, np.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty), x)
         x = x - counts * params.frequency_penalty - (counts > 0) * params.presence_penalty
-        out.append(np.asarray(processors.reported_log_probs(jnp.asarray(x, jnp.float32), params.temperature,
-                                                            params.top_k, params.top_p, params.min_p)))
+        out.append(np.asarray(report(jnp.asarray(x, jnp.float32), params.temperature,
+                                     params.top_k, params.top_p, params.min_p)))
     return out
 
 

@@ -69,9 +69,8 @@ PROMPTS = np.array([[2, 5, 9, 13, 17, 21, 8, 30], [2, 40, 41, 12, 6, 6, 7, 50], 
 def ours_logits(lm, tokens):
     from flax import nnx
 
-    model = nnx.merge(lm.graphdef, lm.params)
-    logits, _ = model(jnp.asarray(tokens))
-    return np.asarray(logits)
+    # jitted: one program instead of one per operation
+    return np.asarray(jax.jit(lambda p, t: nnx.merge(lm.graphdef, p)(t)[0])(lm.params, jnp.asarray(tokens)))
 
 
 def hf_logits(model, tokens):

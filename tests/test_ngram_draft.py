@@ -15,8 +15,13 @@ from relf_jax.speculative.ngram_draft import NgramDraft, build_ngram_draft, next
 from relf_jax.speculative.proposers import ngram_table
 
 
+@jax.jit  # one program per table layout, not one per operation
+def _softmax_next(table, context, valid):
+    return jax.nn.softmax(next_logits(table, context, valid))
+
+
 def _probs(table, context, valid):
-    return np.asarray(jax.nn.softmax(next_logits(table, jnp.asarray(context), jnp.asarray(valid))))
+    return np.asarray(_softmax_next(table, jnp.asarray(context), jnp.asarray(valid)))
 
 
 def test_counts_back_off_and_unigram():
@@ -189,14 +194,16 @@ def test_drafts_follow_the_transformed_draft_logits():
         draw = jax.jit(jax.vmap(
             lambda key, sp=sp, settings=settings: ngram_table.propose(table, state, sp, settings, key)))
         toks, logits = draw(jax.random.split(jax.random.key(1), n))
-        q = np.exp(np.asarray(processors.log_probs(logits[0, 0, 0], temperature, 0, top_p)), dtype=np.float64)
+        q = np.exp(np.asarray(jax.jit(processors.log_probs, static_argnums=(1, 2, 3))(
+            logits[0, 0, 0], temperature, 0, top_p)), dtype=np.float64)
         freq = np.bincount(np.asarray(toks[:, 0, 0]), minlength=8) / n
         se = np.sqrt(q * (1 - q) / n) + 1e-12
         assert np.all(np.abs(freq - q) <= 5 * se + 1e-9), (temperature, top_p, freq, q)
         assert q[3] > 0.2 and q[4] > 0.2  # the context (1, 2): 3 and 4 each seen twice
-    greedy = ngram_table.propose(table, state, spec.SpecParams.make(0.0, 1.0, 0.9),
-                                 spec.SpecSettings(k=1, rule="greedy", proposer="corpus_ngram", max_new_tokens=4,
-                                                   eos_id=-1), jax.random.key(0))[0]
+    greedy = jax.jit(lambda key: ngram_table.propose(  # jitted: op by op it compiles ~40 programs
+        table, state, spec.SpecParams.make(0.0, 1.0, 0.9),
+        spec.SpecSettings(k=1, rule="greedy", proposer="corpus_ngram", max_new_tokens=4, eos_id=-1), key))(
+        jax.random.key(0))[0]
     assert int(greedy[0, 0]) == 3  # 3 and 4 tie at two counts each: the lower id, as argmax over V
 
 
@@ -211,6 +218,7 @@ def test_dense_index_finds_the_same_rows_as_the_binary_search():
     searched = table.replace(dense=())
     ctx = jnp.asarray(np.r_[rng.integers(0, 4, (300, 3)), rng.integers(0, 40, (300, 3))], jnp.int32)
     valid = jnp.asarray(rng.integers(0, 4, 600), jnp.int32)
-    for a, b in zip(ngram_draft.next_candidates(table, ctx, valid), ngram_draft.next_candidates(searched, ctx, valid)):
+    candidates = jax.jit(ngram_draft.next_candidates)
+    for a, b in zip(candidates(table, ctx, valid), candidates(searched, ctx, valid)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert int((np.asarray(table.dense[1]) >= 0).sum()) == int(table.keys[1].shape[0])

@@ -11,6 +11,7 @@ pytest.importorskip("ipykernel")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.entry
 def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     monkeypatch.setenv("RELF_JAX_NOTEBOOK_QUICK", "1")
     monkeypatch.setenv("RELF_JAX_NOTEBOOK_WORKDIR", str(tmp_path / "run"))

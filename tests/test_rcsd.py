@@ -136,14 +136,15 @@ def test_rcsd_loss_terms_masks_and_gradients():
     batch = {k: jnp.asarray(v) for k, v in _examples(seed=4).items()}
     draft, ref = _logits(1), _logits(2)
     s = RCSDLossSettings(beta=0.5)
-    t = rcsd_terms(draft, ref, batch, s)
+    terms = jax.jit(rcsd_terms, static_argnums=3)  # op by op, each call compiles ~15 small programs
+    t = terms(draft, ref, batch, s)
     assert float(t["pairs"]) == float((batch["pref_mask"] & ~batch["rejected_in_nucleus"]).sum()) > 0
     # pure distillation when the preference weight is 0
-    only = rcsd_terms(draft, ref, batch, dataclasses.replace(s, pref_weight=0.0))
+    only = terms(draft, ref, batch, dataclasses.replace(s, pref_weight=0.0))
     assert float(only["loss"]) == pytest.approx(float(t["distill"]), rel=1e-6)
 
     def pref_grad(b):
-        return jax.grad(lambda d: rcsd_terms(d, ref, b, s)["preference"])(draft)
+        return jax.jit(jax.grad(lambda d, b: rcsd_terms(d, ref, b, s)["preference"]))(draft, b)
 
     g = pref_grad(batch)
     valid = np.asarray(batch["pref_mask"] & ~batch["rejected_in_nucleus"])
@@ -153,10 +154,10 @@ def test_rcsd_loss_terms_masks_and_gradients():
     no_pairs = dict(batch, pref_mask=jnp.zeros_like(batch["pref_mask"]))
     assert float(jnp.abs(pref_grad(no_pairs)).max()) == 0.0
     # the draft equal to the reference: margin 0, loss log 2 per pair
-    same = rcsd_terms(ref, ref, batch, s)
+    same = terms(ref, ref, batch, s)
     assert float(same["preference"]) == pytest.approx(np.log(2.0), rel=1e-6)
     # HASS-style top-K distillation is a different, finite objective
-    hass = rcsd_terms(draft, ref, batch, dataclasses.replace(s, distill="hass_topk"))
+    hass = terms(draft, ref, batch, dataclasses.replace(s, distill="hass_topk"))
     assert np.isfinite(float(hass["distill"])) and float(hass["distill"]) != float(t["distill"])
     with pytest.raises(ValueError):
         RCSDLossSettings(distill="kl")
@@ -166,6 +167,6 @@ def test_rcsd_loss_in_the_train_loop_signature(tiny_model, draft_model):
     dg, dp = draft_model
     loss_fn = make_rcsd_loss(dg, RCSDLossSettings(kl_weight=0.1))
     batch = {k: jnp.asarray(v) for k, v in _examples(seed=5).items()}
-    loss, aux = loss_fn(nnx.merge(dg, dp), batch, jax.random.key(0), dp)
+    loss, aux = jax.jit(lambda p, b: loss_fn(nnx.merge(dg, p), b, jax.random.key(0), p))(dp, batch)
     assert np.isfinite(float(loss)) and float(aux["anchor"]) == pytest.approx(0.0, abs=1e-6)  # draft == reference
     assert float(aux["preference"]) == pytest.approx(np.log(2.0), rel=1e-5)

@@ -145,13 +145,19 @@ def word_ce(residual, table, rows, *, t: float, c, use_singular: bool, n: int = 
 
     pick = np.random.default_rng(seed).integers(0, len(rows), n)
     x = jnp.asarray(rows[pick, :-1])
-    x1 = table[x]
-    tt = jnp.full((n,), t, jnp.float32)
-    z = interpolate(x1, jax.random.normal(jax.random.key(seed), x1.shape), tt)
-    f = residual(z, tt, jnp.zeros_like(z))
-    lp = jax.nn.log_softmax(posterior_logits(z, tt, table, f, c=c, use_singular=use_singular), -1)
-    ce = -jnp.take_along_axis(lp, x[..., None], -1)[..., 0]
-    return float(jnp.mean(ce[x >= FIRST_WORD]))
+
+    @jax.jit  # one program, not one per operation
+    def mean_ce(x, key):
+        x1 = table[x]
+        tt = jnp.full((n,), t, jnp.float32)
+        z = interpolate(x1, jax.random.normal(key, x1.shape), tt)
+        f = residual(z, tt, jnp.zeros_like(z))
+        lp = jax.nn.log_softmax(posterior_logits(z, tt, table, f, c=c, use_singular=use_singular), -1)
+        ce = -jnp.take_along_axis(lp, x[..., None], -1)[..., 0]
+        words = x >= FIRST_WORD
+        return jnp.sum(jnp.where(words, ce, 0.0)) / jnp.sum(words)
+
+    return float(mean_ce(x, jax.random.key(seed)))
 
 
 def _train(sz: ToySizes, rows, table, *, use_singular: bool = True, aux_weight: float = 0.0,
