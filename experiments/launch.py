@@ -29,9 +29,12 @@ Config overrides are ``key=value`` words after the subcommand, e.g.::
     relf-jax bench serve --out serve.json [--quick]
     relf-jax demo --quick
     relf-jax info
+    relf-jax launch-local --processes 2 --devices-per-process 2 -- train --preset tiny
 
 On a TPU pod run the same command on every worker; JAX's multi-host runtime is started by
-`relf_jax.runtime.sharding.init_distributed` (``mesh.distributed=auto|on|off``).
+`relf_jax.runtime.sharding.init_distributed` (``mesh.distributed=auto|on|off``; elsewhere the
+environment names the coordinator, process count and id). `launch-local` runs N processes of a
+command on this machine as N hosts.
 """
 
 from __future__ import annotations
@@ -68,6 +71,29 @@ def _no_arguments(p):
     pass
 
 
+def _launch_local_args(p):
+    p.add_argument("--processes", type=int, required=True, help="how many processes (hosts) to start")
+    p.add_argument("--devices-per-process", type=int, default=None,
+                   help="simulated CPU devices per process (JAX_PLATFORMS=cpu, gloo collectives)")
+    p.add_argument("command_args", nargs=argparse.REMAINDER, help="-- then the relf-jax subcommand and its arguments")
+
+
+def _launch_local(args) -> int:
+    from relf_jax.errors import UserError
+    from relf_jax.runtime.local_cluster import run_local_cluster
+
+    rest = args.command_args[1:] if args.command_args[:1] == ["--"] else args.command_args
+    if not rest:
+        raise UserError("launch-local needs the command to run after --, e.g. "
+                        "relf-jax launch-local --processes 2 -- train --preset tiny")
+    if rest[0] == "launch-local":
+        raise UserError("launch-local cannot start launch-local")
+    try:
+        return run_local_cluster(rest, args.processes, args.devices_per_process)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
 COMMANDS = (
     Command("train", "prepare data + tokenizer and train (or resume) a model", train.train_args, train.train,
             overrides=True),
@@ -89,6 +115,8 @@ COMMANDS = (
     Command("serve", "OpenAI-compatible HTTP server: chat/completions (streaming), models, health, metrics; "
                      "continuous batching over slots", serve.serve_args, serve.serve),
     Command("info", "devices, mesh and versions", _no_arguments, _info),
+    Command("launch-local", "run a relf-jax command as N processes (hosts) of one multi-host JAX job on this "
+                            "machine", _launch_local_args, _launch_local),
 )
 COMMANDS_BY_NAME = {c.name: c for c in COMMANDS}
 
@@ -126,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
 
     jit_cache.enable()  # programs compiled by an earlier relf-jax process are read back (RELF_JAX_JIT_CACHE=off)
     try:
+        if args.command != "launch-local":
+            from relf_jax.runtime.sharding import init_distributed
+
+            init_distributed("auto")  # a host of a multi-host job: the runtime starts before any array
         return COMMANDS_BY_NAME[args.command].run(args)
     except UserError as e:
         print(f"relf-jax: error: {e}", file=sys.stderr)

@@ -14,6 +14,7 @@ from relf_jax.config import Config
 from relf_jax.data import sources
 from relf_jax.data.tokenizer import Tokenizer, train_tokenizer
 from relf_jax.errors import UserError
+from relf_jax.runtime.sharding import primary_first
 
 TOKENIZER_TRAIN_DOCS = 20_000
 
@@ -24,9 +25,14 @@ def data_dir(cfg: Config) -> str:
 
 def prepare_data(cfg: Config, root: Optional[str] = None):
     """Prepare the configured source (cached under ``<root or workdir>/data``); return the TFDS builder."""
-    d = cfg.data
     if root is not None:
         cfg = dataclasses.replace(cfg, workdir=root)
+    # several hosts: process 0 prepares first (two writers of one directory collide)
+    return primary_first(lambda: _prepare(cfg), "relf_jax.prepare_data")
+
+
+def _prepare(cfg: Config):
+    d = cfg.data
     if d.source == "synthetic_chat":
         topics = tuple(int(t) for t in d.topics.split(",") if t.strip()) or None
         return sources.prepare("synthetic_chat", data_dir(cfg), num_train=d.num_train,

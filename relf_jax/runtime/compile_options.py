@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _log = logging.getLogger(__name__)
 
@@ -42,8 +43,12 @@ def accepted_on_cpu(items: tuple[tuple[str, str], ...]) -> bool:
     """Whether this jaxlib's XLA:CPU compiles a tiny program with these (name, value) options (checked
     once per process); a refusal is logged as a warning."""
     try:
-        x = jax.device_put(jnp.ones((8, 8), jnp.float32), jax.devices("cpu")[0])
-        jax.jit(lambda a: jnp.tanh(a @ a), compiler_options=dict(items)).lower(x).compile()
+        # on one local device, under a one-device mesh: the caller may be inside a mesh context
+        # (whose devices the probe's array would not match) that spans other hosts
+        device = jax.local_devices(backend="cpu")[0]
+        with jax.set_mesh(jax.sharding.Mesh(np.asarray([device]), ("probe",))):
+            x = jax.device_put(np.ones((8, 8), np.float32), device)
+            jax.jit(lambda a: jnp.tanh(a @ a), compiler_options=dict(items)).lower(x).compile()
         return True
     except Exception as e:  # noqa: BLE001 - any refusal means: keep XLA's defaults
         _log.warning("XLA:CPU refused the train-step compiler options %s (%s); using XLA's defaults",

@@ -10,17 +10,21 @@ Multi-host: `init_distributed` is the one place that calls ``jax.distributed.ini
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from relf_jax.errors import UserError
+
 MESH_AXES = ("data", "fsdp", "tensor")
+T = TypeVar("T")
 
 # logical name -> mesh axis (or tuple of mesh axes, or None for replicated)
 LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
@@ -38,21 +42,71 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
 _log = logging.getLogger(__name__)
 
 
-def init_distributed(mode: str = "auto") -> bool:
-    """Initialise JAX's multi-host runtime when launched on several hosts.
+# The environment `init_distributed` reads (set by `relf-jax launch-local`, or by hand on hosts
+# that JAX does not detect as a cluster): the coordinator's host:port, the number of processes
+# and this process's id.
+COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 
-    mode "on" always calls ``jax.distributed.initialize()`` (on TPU pods it discovers the
-    coordinator itself); "auto" does so only when the environment names a coordinator or a
-    multi-worker TPU slice; "off" never. Returns whether it initialised.
+_initialised = False
+
+
+def init_distributed(mode: str = "auto") -> bool:
+    """Initialise JAX's multi-host runtime when launched on several hosts; idempotent.
+
+    mode "on" always calls ``jax.distributed.initialize()`` (on TPU pods and SLURM it discovers
+    the coordinator, process count and id itself); "auto" does so only when the environment names
+    a coordinator or a multi-worker TPU slice; "off" never. Where JAX detects no cluster (several
+    processes on one machine, hosts without SLURM) the environment names all three:
+    ``JAX_COORDINATOR_ADDRESS=host:port``, ``JAX_NUM_PROCESSES=N``, ``JAX_PROCESS_ID=i``. On CPU
+    the processes' collectives need ``JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo`` (JAX reads it).
+    Returns whether the runtime is initialised.
     """
-    if mode == "off":
-        return False
+    global _initialised
+    if _initialised or mode == "off":
+        return _initialised
     multi_tpu = "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
-    named = any(k in os.environ for k in ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS"))
+    named = any(k in os.environ for k in (COORDINATOR_ENV, "COORDINATOR_ADDRESS"))
     if mode == "on" or multi_tpu or named:
-        jax.distributed.initialize()
-        return True
-    return False
+        jax.distributed.initialize(**cluster_from_env())
+        _initialised = True
+    return _initialised
+
+
+def cluster_from_env() -> dict:
+    """initialize()'s coordinator, process count and id from the environment (what is unset is
+    left for JAX to detect); a clear error for a malformed value."""
+    kw: dict[str, Any] = {}
+    if os.environ.get(COORDINATOR_ENV):
+        kw["coordinator_address"] = os.environ[COORDINATOR_ENV]
+    for name, key in ((NUM_PROCESSES_ENV, "num_processes"), (PROCESS_ID_ENV, "process_id")):
+        raw = os.environ.get(name, "")
+        if raw:
+            try:
+                kw[key] = int(raw)
+            except ValueError:
+                raise UserError(f"{name}={raw!r} is not an integer") from None
+    if "process_id" in kw and "num_processes" in kw and not 0 <= kw["process_id"] < kw["num_processes"]:
+        raise UserError(f"{PROCESS_ID_ENV}={kw['process_id']} not in [0, {NUM_PROCESSES_ENV}={kw['num_processes']})")
+    return kw
+
+
+def primary_first(fn: Callable[[], T], name: str) -> T:
+    """``fn()`` on process 0 first, then (after a barrier named `name`) on the others.
+
+    For work that writes files a later step reads, e.g. preparing a dataset: on shared storage
+    the other processes then find it done; on per-host disks each builds its own copy. One
+    process: just ``fn()``.
+    """
+    if jax.process_count() == 1:
+        return fn()
+    from jax.experimental import multihost_utils
+
+    if jax.process_index() == 0:
+        out = fn()
+        multihost_utils.sync_global_devices(name)
+        return out
+    multihost_utils.sync_global_devices(name)
+    return fn()
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
@@ -136,3 +190,18 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     if mesh is None or mesh.empty or math.prod(mesh.shape.values()) == 1:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, x.shape, mesh))
+
+
+def process_allgather_json(obj: Any) -> list:
+    """Every process's `obj` (JSON-serialisable), in process order, on every process; one process:
+    ``[obj]``. For small host-local state such as a data iterator's position."""
+    if jax.process_count() == 1:
+        return [obj]
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray([raw.size], np.int32))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:raw.size] = raw
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    return [json.loads(bytes(row[:n]).decode()) for row, n in zip(rows, sizes)]

@@ -37,6 +37,7 @@ from relf_jax.errors import UserError
 from relf_jax.models.registry import abstract_params, build_model
 from relf_jax.runtime import sharding as shd
 from relf_jax.runtime.compile_options import train_options
+from relf_jax.train import data_state as host_data
 from relf_jax.train.metrics import MetricsWriter, plot_loss_curve
 from relf_jax.train.optimizers import learning_rate_schedule, make_optimizer
 
@@ -224,7 +225,7 @@ def _start(plan: ShardedState, ckpt: Checkpointer, meta: dict, model_cfg: ModelC
     if restored is not None:
         step, state, data_state, _ = restored
         if data_state is not None and hasattr(data, "set_state"):
-            data.set_state(data_state)
+            data.set_state(host_data.own(data_state))
         return step, state["params"], state["opt_state"], step
     params, opt_state = init_state(plan, model_cfg, jax.random.key(tc.seed))
     if init_params is not None:
@@ -361,7 +362,7 @@ class _Run:
         return host
 
     def save(self, s: int, force: bool = False) -> None:
-        data_state = self.data.get_state() if hasattr(self.data, "get_state") else None
+        data_state = host_data.gather(self.data.get_state()) if hasattr(self.data, "get_state") else None
         self.ckpt.save(s, {"params": self.params, "opt_state": self.opt_state}, data_state=data_state,
                        meta=self.meta, tokenizer_bytes=self.tokenizer_bytes, force=force)
 

@@ -1,0 +1,177 @@
+"""Several processes on one machine as the hosts of one JAX job: `relf-jax launch-local`, the
+environment `init_distributed` reads, and what happens when one host fails."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from relf_jax.errors import UserError
+from relf_jax.runtime.local_cluster import process_env, run_local_cluster
+from relf_jax.runtime.sharding import cluster_from_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# each host contributes its own rows to one global array; a jitted sum over the global mesh
+# needs the other host's shard, so it only comes out right through the runtime's collectives
+GLOBAL_SUM = """
+import json, jax, jax.numpy as jnp, numpy as np
+from relf_jax.runtime.sharding import batch_sharding, init_distributed, make_mesh
+assert init_distributed("auto")
+mesh = make_mesh()
+local = np.full((jax.local_device_count(), 3), jax.process_index() + 1, np.float32)
+x = jax.make_array_from_process_local_data(batch_sharding(mesh), local)
+total = float(jax.jit(jnp.sum, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))(x))
+print(json.dumps({"process": jax.process_index(), "of": jax.process_count(), "devices": jax.device_count(),
+                  "mesh": dict(mesh.shape), "shape": list(x.shape), "total": total}))
+"""
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def test_environment_names_the_cluster(monkeypatch):
+    env = process_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --other"}, coordinator="127.0.0.1:5",
+                      processes=3, process_id=2, devices_per_process=2)
+    assert env["JAX_COORDINATOR_ADDRESS"] == "127.0.0.1:5" and env["JAX_NUM_PROCESSES"] == "3"
+    assert env["JAX_PROCESS_ID"] == "2" and env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] == "gloo"
+    assert env["XLA_FLAGS"] == "--other --xla_force_host_platform_device_count=2"
+    assert "JAX_PLATFORMS" not in process_env({}, coordinator="h:1", processes=2, process_id=0,
+                                              devices_per_process=None)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert cluster_from_env() == {"coordinator_address": "127.0.0.1:5", "num_processes": 3, "process_id": 2}
+    monkeypatch.setenv("JAX_PROCESS_ID", "3")
+    with pytest.raises(UserError, match=r"not in \[0, JAX_NUM_PROCESSES=3\)"):
+        cluster_from_env()
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
+    with pytest.raises(UserError, match="not an integer"):
+        cluster_from_env()
+
+
+def test_two_processes_reduce_over_one_global_mesh(capsys):
+    status = run_local_cluster([], 2, 2, env=_env(), cwd=ROOT, command=[sys.executable, "-c", GLOBAL_SUM])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    rows = {}
+    for line in out.splitlines():
+        prefix, _, text = line.partition(" ")
+        if text.startswith("{"):
+            rows[prefix] = json.loads(text)
+    assert set(rows) == {"[p0]", "[p1]"}
+    for i in (0, 1):
+        r = rows[f"[p{i}]"]
+        assert r["process"] == i and r["of"] == 2 and r["devices"] == 4 and r["shape"] == [4, 3]
+        assert r["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
+        assert r["total"] == 3 * (2 * 1 + 2 * 2)  # both hosts' rows
+
+
+@pytest.mark.parametrize("how,status", [("exit", 3), ("kill", 128 + signal.SIGKILL)])
+def test_one_failing_process_stops_the_others(capsys, how, status):
+    """Process 1 fails at once; process 0 would wait forever (as a host does in a collective
+    whose peer is gone): launch-local returns process 1's status, having stopped process 0."""
+    code = ("import os, signal, sys\n"
+            "if os.environ['JAX_PROCESS_ID'] == '1':\n"
+            f"    sys.exit(3) if {how!r} == 'exit' else os.kill(os.getpid(), signal.SIGKILL)\n"
+            "print('waiting', flush=True)\n"
+            "signal.pause()\n")
+    assert run_local_cluster([], 2, env=_env(), command=[sys.executable, "-c", code]) == status
+    out = capsys.readouterr().out
+    assert f"process 1 exited with status {status}; stopping the others" in out
+
+
+@pytest.mark.entry
+def test_cli_launch_local_runs_info_on_two_hosts(capsys):
+    from experiments.launch import main
+
+    assert main(["launch-local", "--processes", "2", "--devices-per-process", "1", "--", "info"]) == 0
+    out = capsys.readouterr().out
+    assert '[p0]   "process": "0 of 2",' in out and '[p1]   "process": "1 of 2",' in out
+    assert main(["launch-local", "--processes", "2"]) == 2
+    assert "needs the command to run after --" in capsys.readouterr().err
+    assert main(["launch-local", "--processes", "0", "--", "info"]) == 2
+    assert "processes must be >= 1" in capsys.readouterr().err
+
+
+def _train_cmd(workdir, steps):
+    return [sys.executable, "-m", "experiments.launch", "launch-local", "--processes", "2", "--devices-per-process",
+            "2", "--", "train", "--preset", "tiny", "--workdir", workdir, "data.source=chatterbot",
+            f"train.steps={steps}", "train.checkpoint_every=10", "train.eval_every=20", "train.progress=false",
+            "train.keep_checkpoints=10"]
+
+
+def _committed_steps(workdir):
+    d = os.path.join(workdir, "ar", "checkpoints")
+    return [int(n) for n in os.listdir(d) if n.isdigit()
+            and os.path.exists(os.path.join(d, n, "_CHECKPOINT_METADATA"))] if os.path.isdir(d) else []
+
+
+def _children_with(parent: int, env_item: bytes) -> list[int]:
+    """Processes whose parent is `parent` and whose environment holds `env_item` (Linux /proc)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if ppid == parent and env_item in env:
+            out.append(int(pid))
+    return out
+
+
+@pytest.mark.entry
+def test_two_hosts_train_and_resume_bitwise_after_one_is_killed(tmp_path):
+    """2 processes x 2 devices train through `launch-local`; SIGKILL of process 1 after the
+    first checkpoint ends the job (the launcher stops process 0); the restarted job resumes
+    with each host at its own data position and ends bitwise where an uninterrupted job ends."""
+    import shutil
+
+    import jax
+    import numpy as np
+
+    from relf_jax.loading import load_model
+
+    env, steps = _env(), 30
+    full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
+    done = subprocess.run(_train_cmd(full, steps), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]
+    finals = [line for line in done.stdout.splitlines() if '"step": 30' in line]
+    assert len(finals) == 2 and finals[0].split(" ", 1)[1] == finals[1].split(" ", 1)[1]  # both hosts agree
+    os.makedirs(killed)  # the same prepared data and tokenizer, so only the interruption differs
+    shutil.copytree(os.path.join(full, "data"), os.path.join(killed, "data"))
+    shutil.copy(os.path.join(full, "tokenizer.model"), killed)
+
+    job = subprocess.Popen(_train_cmd(killed, steps), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    victims = []
+    while job.poll() is None and not victims:  # polls a real condition: a committed checkpoint
+        if _committed_steps(killed):
+            victims = _children_with(job.pid, b"JAX_PROCESS_ID=1")
+            for pid in victims:
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+    out = job.communicate(timeout=120)[0]
+    assert victims and job.returncode == 128 + signal.SIGKILL, out[-3000:]
+    assert "process 1 exited with status 137; stopping the others" in out
+    assert steps not in _committed_steps(killed)
+
+    # the checkpoint keeps each host's own data position; one process cannot take them over
+    one = subprocess.run([sys.executable, "-m", "experiments.launch", "train", "--preset", "tiny", "--workdir",
+                          killed, "data.source=chatterbot", f"train.steps={steps}", "train.checkpoint_every=10",
+                          "train.progress=false"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert one.returncode == 2 and "data positions of 2 processes and this run has 1" in one.stderr, one.stderr
+
+    again = subprocess.run(_train_cmd(killed, steps), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and '"resumed_from": ' in again.stdout, again.stdout[-3000:]
+    a, b = load_model(full), load_model(killed)
+    assert a.step == b.step == steps
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
