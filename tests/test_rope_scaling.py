@@ -83,6 +83,9 @@ def test_inv_freq_equals_transformers_rope_init(kind, dim):
         np.testing.assert_array_equal(both[1, 0], ours)
 
 
+NOT_LINEAR = sorted(set(SCALINGS) - {"linear"})
+
+
 @pytest.fixture(scope="module", params=sorted(SCALINGS))
 def scaled_dir(request, tmp_path_factory):
     kind = request.param
@@ -112,13 +115,13 @@ def test_scaled_import_matches_transformers_past_the_original_context(scaled_dir
     assert np.abs(np.asarray(plain(jnp.asarray(tokens))[0]) - ours).max() > 5e-4  # measured 1e-3 .. 2.3e-3
 
 
+# linear frequencies are static like llama3's: covered by the logits test
+@pytest.mark.parametrize("scaled_dir", NOT_LINEAR, indirect=True)
 def test_scaled_greedy_generation_equals_transformers(scaled_dir):
     """Cached decoding from a prompt past the original context: the AR sampler's greedy tokens
     equal transformers' generate (for dynamic too: prefill at the prompt's length, then one
     length per decode step, as transformers' cache does)."""
     kind, path, _ = scaled_dir
-    if kind == "linear":
-        pytest.skip("linear frequencies are static like llama3's; covered by the logits test")
     lm = hf.from_hf(path)
     # a fresh transformers model: its dynamic rope keeps state from earlier calls
     model = transformers.LlamaForCausalLM.from_pretrained(path).eval()
@@ -129,12 +132,12 @@ def test_scaled_greedy_generation_equals_transformers(scaled_dir):
     np.testing.assert_array_equal(greedy_ours(lm, prompts, n), theirs)
 
 
+# dynamic is the one whose frequencies depend on the call
+@pytest.mark.parametrize("scaled_dir", ["dynamic"], indirect=True)
 def test_speculative_verify_uses_the_same_rope_as_ar(scaled_dir):
     """The speculative loop builds the same CausalLM: greedy speculative decoding (prompt lookup)
     gives the AR sampler's tokens."""
     kind, path, _ = scaled_dir
-    if kind != "dynamic":
-        pytest.skip("dynamic is the one whose frequencies depend on the call")
     from relf_jax.sampling import autoregressive as ar
     from relf_jax.speculative import generate as spec
 
@@ -204,11 +207,10 @@ def test_model_config_rope_validation():
         make_config("tiny", ["model.rope_scaling=yarn"])
 
 
+@pytest.mark.parametrize("scaled_dir", NOT_LINEAR, indirect=True)  # linear is static like llama3
 def test_jax_export_steps_use_the_scaled_rope(scaled_dir):
     """jax_export's prefill (a padded prompt) + decode steps: greedy tokens equal transformers'."""
     kind, path, _ = scaled_dir
-    if kind == "linear":
-        pytest.skip("linear frequencies are static like llama3's")
     from relf_jax.export import jax_export
     from relf_jax.export.flat import flat_params
 
