@@ -13,6 +13,7 @@ import pytest
 from relf_jax.errors import UserError
 from relf_jax.runtime.local_cluster import process_env, run_local_cluster
 from relf_jax.runtime.sharding import cluster_from_env
+from tests._checkpoints import committed_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,12 +106,6 @@ def _train_cmd(workdir, steps):
             "train.keep_checkpoints=10"]
 
 
-def _committed_steps(workdir):
-    d = os.path.join(workdir, "ar", "checkpoints")
-    return [int(n) for n in os.listdir(d) if n.isdigit()
-            and os.path.exists(os.path.join(d, n, "_CHECKPOINT_METADATA"))] if os.path.isdir(d) else []
-
-
 def _children_with(parent: int, env_item: bytes) -> list[int]:
     """Processes whose parent is `parent` and whose environment holds `env_item` (Linux /proc)."""
     out = []
@@ -153,7 +148,7 @@ def test_two_hosts_train_and_resume_bitwise_after_one_is_killed(tmp_path):
                            stderr=subprocess.STDOUT, text=True)
     victims = []
     while job.poll() is None and not victims:  # polls a real condition: a committed checkpoint
-        if _committed_steps(killed):
+        if committed_steps(killed):
             victims = _children_with(job.pid, b"JAX_PROCESS_ID=1")
             for pid in victims:
                 os.kill(pid, signal.SIGKILL)
@@ -161,7 +156,7 @@ def test_two_hosts_train_and_resume_bitwise_after_one_is_killed(tmp_path):
     out = job.communicate(timeout=120)[0]
     assert victims and job.returncode == 128 + signal.SIGKILL, out[-3000:]
     assert "process 1 exited with status 137; stopping the others" in out
-    assert steps not in _committed_steps(killed)
+    assert steps not in committed_steps(killed)
 
     # the checkpoint keeps each host's own data position; one process cannot take them over
     one = subprocess.run([sys.executable, "-m", "experiments.launch", "train", "--preset", "tiny", "--workdir",

@@ -2,7 +2,6 @@
 uninterrupted run ends (real subprocess, real data pipeline and async checkpoints)."""
 
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -13,6 +12,8 @@ import jax
 import numpy as np
 import pytest
 
+from tests._checkpoints import committed_steps
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 80
 
@@ -21,14 +22,6 @@ def _cmd(workdir):
     return [sys.executable, "-m", "experiments.launch", "train", "--preset", "tiny", "--workdir", workdir,
             "data.source=chatterbot", f"train.steps={STEPS}", "train.checkpoint_every=10", "train.eval_every=40",
             "train.progress=false", "train.keep_checkpoints=10"]
-
-
-def _committed_steps(workdir):
-    d = os.path.join(workdir, "ar", "checkpoints")
-    if not os.path.isdir(d):
-        return []
-    return sorted(int(n) for n in os.listdir(d) if re.fullmatch(r"\d+", n)
-                  and os.path.exists(os.path.join(d, n, "_CHECKPOINT_METADATA")))
 
 
 @pytest.mark.entry
@@ -43,13 +36,13 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
     proc = subprocess.Popen(_cmd(killed), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300  # polls a real condition: a committed checkpoint
     while time.monotonic() < deadline and proc.poll() is None:
-        if any(s >= 20 for s in _committed_steps(killed)):
+        if any(s >= 20 for s in committed_steps(killed)):
             proc.send_signal(signal.SIGKILL)
             break
         time.sleep(0.01)
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-    assert STEPS not in _committed_steps(killed)
+    assert STEPS not in committed_steps(killed)
 
     subprocess.run(_cmd(killed), cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
 
