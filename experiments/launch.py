@@ -63,7 +63,7 @@ class Command:
 def _info(args) -> int:
     from relf_jax.runtime.info import describe
 
-    print(json.dumps(describe(), indent=2))
+    print(json.dumps(describe(serve.serving_mesh(args.overrides, "info")), indent=2))
     return 0
 
 
@@ -113,8 +113,10 @@ COMMANDS = (
     Command("export", "write a trained model as HuggingFace, safetensors or jax.export files", convert.export_args,
             convert.export, overrides=True),
     Command("serve", "OpenAI-compatible HTTP server: chat/completions (streaming), models, health, metrics; "
-                     "continuous batching over slots", serve.serve_args, serve.serve),
-    Command("info", "devices, mesh and versions", _no_arguments, _info),
+                     "continuous batching over slots (mesh.data=M mesh.tensor=N: split over devices)",
+            serve.serve_args, serve.serve, overrides=True),
+    Command("info", "devices, meshes (training; serving: mesh.* as serve takes them) and versions", _no_arguments,
+            _info, overrides=True),
     Command("launch-local", "run a relf-jax command as N processes (hosts) of one multi-host JAX job on this "
                             "machine", _launch_local_args, _launch_local),
 )

@@ -23,6 +23,7 @@ from relf_jax.methods import (
     Speculative,
     family_of,
 )
+from relf_jax.runtime.sharding import mesh_scope
 from relf_jax.sampling.batch import Samples
 
 Prompts = Union[str, Sequence[str], None]
@@ -61,6 +62,15 @@ def sample(model: Union[str, LoadedModel], prompts: Prompts = None, params: Opti
     if prompts is not None:
         prompts = [p for p in prompts for _ in range(params.n)]
     n = num_samples or params.n
+    with mesh_scope(lm.mesh):  # a model placed on a mesh (`LoadedModel.on_mesh`) samples split over it
+        out = _sample(lm, prompts, n, sc, method, warmup)
+    if params.stop:
+        out.texts = [cut_at_strings(t, params.stop)[0] for t in out.texts]
+    return out
+
+
+def _sample(lm: LoadedModel, prompts, n: int, sc, method: Method, warmup: bool) -> Samples:
+    """`sample`'s dispatch to the method's batch recipe."""
     if isinstance(method, Autoregressive):
         from relf_jax.sampling.recipes import sample_ar
 
@@ -82,8 +92,6 @@ def sample(model: Union[str, LoadedModel], prompts: Prompts = None, params: Opti
         sc = dataclasses.replace(sc, **{k: v for k, v in (("threshold", method.threshold),
                                                           ("confidence", method.confidence)) if v is not None})
         out = sample_bd(lm, prompts, n, sc, warmup=warmup)
-    if params.stop:
-        out.texts = [cut_at_strings(t, params.stop)[0] for t in out.texts]
     return out
 
 
@@ -114,7 +122,7 @@ def stream(model: Union[str, LoadedModel], prompt: str, params: Optional[Samplin
         raise UserError(f"stream decodes autoregressively; {type(method).__name__} is for generate "
                         "(or ChatModel, which streams every method)")
     params = params if params is not None else SamplingParams()
-    pieces = stream_reply(lm, prompt, params.sample_config(lm.cfg.sample))
+    pieces = _on_mesh(lm, stream_reply(lm, prompt, params.sample_config(lm.cfg.sample)))
     if not params.stop:
         yield from pieces
         return
@@ -131,6 +139,17 @@ def stream(model: Union[str, LoadedModel], prompt: str, params: Optional[Samplin
             return
     if len(text) > shown:
         yield text[shown:]
+
+
+def _on_mesh(lm: LoadedModel, pieces: Iterator[str]) -> Iterator[str]:
+    """`pieces`, each one produced under the model's mesh (`mesh_scope`); a generator's body runs
+    between the caller's calls, so the scope is entered per step, not around the caller."""
+    while True:
+        with mesh_scope(lm.mesh):
+            piece = next(pieces, None)
+        if piece is None:
+            return
+        yield piece
 
 
 def evaluate(model: Union[str, LoadedModel], judge: Any = "exact", params: Optional[SamplingParams] = None,
@@ -152,7 +171,8 @@ def evaluate(model: Union[str, LoadedModel], judge: Any = "exact", params: Optio
     if family_of(method) == "ar":
         out["tau"] = s.tau
         if validation:
-            out["validation_loss"] = validation_loss(lm)
+            with mesh_scope(lm.mesh):
+                out["validation_loss"] = validation_loss(lm)
     if isinstance(method, Flow):
         out["nfe"] = method.nfe or lm.cfg.flow.nfe
     out["step"] = lm.step

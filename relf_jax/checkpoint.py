@@ -243,3 +243,15 @@ class LoadedModel:
     # arrays a family keeps beside its parameters, by name (ReLF: "flow.embeddings", the fixed
     # token embeddings); filled by `load_safetensors`, empty for checkpoints read from a run dir
     extras: dict = dataclasses.field(default_factory=dict)
+    # the device mesh its parameters are placed on (`on_mesh`); None: one device
+    mesh: Any = None
+
+    def on_mesh(self, mesh) -> LoadedModel:
+        """This model with its parameters (and extras) placed on `mesh` by their logical axes
+        (`relf_jax.runtime.sharding.shard_params`): sampling, evaluation and the serving engines
+        then run split over its devices (rows over data x fsdp, heads, MLP and vocabulary over
+        tensor) and give the tokens they give on one device."""
+        from relf_jax.runtime.sharding import replicated, shard_params
+
+        extras = {k: jax.device_put(v, replicated(mesh)) for k, v in self.extras.items()}
+        return dataclasses.replace(self, params=shard_params(self.params, mesh), extras=extras, mesh=mesh)

@@ -28,7 +28,7 @@ def restore_params(model_dir: str, model_cfg: ModelConfig, train_cfg, mesh=None)
     from relf_jax.train.loop import plan_state
     from relf_jax.train.optimizers import make_optimizer
 
-    mesh = mesh or make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    mesh = mesh or make_mesh(1, 1, 1, devices=jax.local_devices()[:1])
     plan = plan_state(model_cfg, make_optimizer(train_cfg), mesh)
     restored = Checkpointer(model_dir, async_save=False, read_only=True).restore_latest(
         plan.restore_target()["params"], family=model_cfg.family, params_only=True)

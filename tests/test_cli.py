@@ -37,7 +37,7 @@ def _one_line_error(rc, err, *words):
         assert w in lines[0], (w, lines[0])
 
 
-def test_overrides_may_follow_the_options():
+def test_overrides_may_follow_the_options(capsys):
     a = parse_args(["bench", "dws", "--out", "x.json", "train.steps=9", "--workdir", "w", "model.d_model=64"])
     assert a.which == "dws" and a.out == "x.json" and a.workdir == "w"
     assert a.overrides == ["train.steps=9", "model.d_model=64"]
@@ -46,8 +46,14 @@ def test_overrides_may_follow_the_options():
     with pytest.raises(SystemExit) as e:
         parse_args(["bench", "dws", "--out", "x.json", "--nope"])
     assert e.value.code == 2
-    with pytest.raises(SystemExit):
-        parse_args(["serve", "--mock", "train.steps=9"])  # serve takes no config overrides
+    capsys.readouterr()
+    # serve and info take the mesh keys only (the model's own settings come with its checkpoint)
+    assert parse_args(["serve", "--mock", "mesh.tensor=2"]).overrides == ["mesh.tensor=2"]
+    for argv in (["serve", "--mock", "train.steps=9"], ["info", "mesh.distributed=on"]):
+        rc, _, err = _run(capsys, *argv)
+        _one_line_error(rc, err, "takes only mesh.data, mesh.fsdp and mesh.tensor overrides", argv[-1])
+    rc, _, err = _run(capsys, "serve", "--mock", "mesh.tensor=3")
+    _one_line_error(rc, err, "mesh.tensor=3", "1 devices cannot be split")
 
 
 def test_bench_serve_parts_are_checked(capsys, tmp_path):

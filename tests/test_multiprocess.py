@@ -99,11 +99,29 @@ def test_cli_launch_local_runs_info_on_two_hosts(capsys):
     assert "processes must be >= 1" in capsys.readouterr().err
 
 
+TRAIN_ARGS = ["train", "--preset", "tiny", "data.source=chatterbot", "train.checkpoint_every=10",
+              "train.eval_every=20", "train.progress=false", "train.keep_checkpoints=10", "train.log_every=1"]
+
+
 def _train_cmd(workdir, steps):
     return [sys.executable, "-m", "experiments.launch", "launch-local", "--processes", "2", "--devices-per-process",
-            "2", "--", "train", "--preset", "tiny", "--workdir", workdir, "data.source=chatterbot",
-            f"train.steps={steps}", "train.checkpoint_every=10", "train.eval_every=20", "train.progress=false",
-            "train.keep_checkpoints=10"]
+            "2", "--", *TRAIN_ARGS, "--workdir", workdir, f"train.steps={steps}"]
+
+
+def _copy_data(src, dst):
+    """`dst` with `src`'s prepared data and tokenizer, so two runs differ in nothing else."""
+    import shutil
+
+    os.makedirs(dst)
+    shutil.copytree(os.path.join(src, "data"), os.path.join(dst, "data"))
+    shutil.copy(os.path.join(src, "tokenizer.model"), dst)
+
+
+def _losses(workdir) -> dict:
+    from relf_jax.train.metrics import read_metrics
+
+    rows = read_metrics(os.path.join(workdir, "metrics.jsonl"))
+    return {r["step"]: (r.get("loss"), r.get("eval_loss")) for r in rows}
 
 
 def _children_with(parent: int, env_item: bytes) -> list[int]:
@@ -123,32 +141,43 @@ def _children_with(parent: int, env_item: bytes) -> list[int]:
 
 
 @pytest.mark.entry
-def test_two_hosts_train_and_resume_bitwise_after_one_is_killed(tmp_path):
-    """2 processes x 2 devices train through `launch-local`; SIGKILL of process 1 after the
-    first checkpoint ends the job (the launcher stops process 0); the restarted job resumes
-    with each host at its own data position and ends bitwise where an uninterrupted job ends."""
-    import shutil
-
+def test_two_hosts_train_like_one_and_resume_bitwise_after_one_is_killed(tmp_path):
+    """2 processes x 2 devices train through `launch-local` with the loss curve of 1 process x 4
+    devices (the global batch does not depend on the process count); SIGKILL of process 1 after
+    the step-20 checkpoint ends the job (the launcher stops process 0); the restarted job ends
+    bitwise where an uninterrupted job ends. Then the trained model samples and evaluates the
+    same on 2 processes as on 1."""
     import jax
     import numpy as np
 
     from relf_jax.loading import load_model
 
-    env, steps = _env(), 30
-    full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
+    env, steps = _env(), 40
+    full, single, killed = (str(tmp_path / n) for n in ("full", "single", "killed"))
     done = subprocess.run(_train_cmd(full, steps), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:]
-    finals = [line for line in done.stdout.splitlines() if '"step": 30' in line]
+    finals = [line for line in done.stdout.splitlines() if f'"step": {steps}' in line]
     assert len(finals) == 2 and finals[0].split(" ", 1)[1] == finals[1].split(" ", 1)[1]  # both hosts agree
-    os.makedirs(killed)  # the same prepared data and tokenizer, so only the interruption differs
-    shutil.copytree(os.path.join(full, "data"), os.path.join(killed, "data"))
-    shutil.copy(os.path.join(full, "tokenizer.model"), killed)
 
+    # one process with the same four devices: the same loss at every step
+    _copy_data(full, single)
+    four = {**env, "XLA_FLAGS": env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
+            "JAX_PLATFORMS": "cpu"}
+    one = subprocess.run([sys.executable, "-m", "experiments.launch", *TRAIN_ARGS, "--workdir", single,
+                          f"train.steps={steps}"], cwd=ROOT, env=four, capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    a, b = _losses(full), _losses(single)
+    assert sorted(a) == sorted(b) and len([s for s in a if a[s][0] is not None]) >= steps
+    for step in a:
+        for x, y in zip(a[step], b[step]):
+            assert (x is None) == (y is None) and (x is None or abs(x - y) <= 1e-5), (step, a[step], b[step])
+
+    _copy_data(full, killed)
     job = subprocess.Popen(_train_cmd(killed, steps), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     victims = []
-    while job.poll() is None and not victims:  # polls a real condition: a committed checkpoint
-        if committed_steps(killed):
+    while job.poll() is None and not victims:  # polls a real condition: the step-20 checkpoint committed
+        if 20 in committed_steps(killed):
             victims = _children_with(job.pid, b"JAX_PROCESS_ID=1")
             for pid in victims:
                 os.kill(pid, signal.SIGKILL)
@@ -158,15 +187,31 @@ def test_two_hosts_train_and_resume_bitwise_after_one_is_killed(tmp_path):
     assert "process 1 exited with status 137; stopping the others" in out
     assert steps not in committed_steps(killed)
 
-    # the checkpoint keeps each host's own data position; one process cannot take them over
-    one = subprocess.run([sys.executable, "-m", "experiments.launch", "train", "--preset", "tiny", "--workdir",
-                          killed, "data.source=chatterbot", f"train.steps={steps}", "train.checkpoint_every=10",
-                          "train.progress=false"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert one.returncode == 2 and "data positions of 2 processes and this run has 1" in one.stderr, one.stderr
-
     again = subprocess.run(_train_cmd(killed, steps), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and '"resumed_from": ' in again.stdout, again.stdout[-3000:]
     a, b = load_model(full), load_model(killed)
     assert a.step == b.step == steps
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    # sampling and evaluation on a 2 x 2 global mesh give the one-process results
+    sample = ["sample", "--workdir", full, "--prompt", "hello", "--prompt", "what is your name",
+              "sample.num_samples=4", "sample.max_new_tokens=12"]
+    evaluate = ["eval", "--workdir", full, "sample.num_samples=8", "sample.max_new_tokens=24"]
+    launch = [sys.executable, "-m", "experiments.launch"]
+    local = [*launch, "launch-local", "--processes", "2", "--devices-per-process", "2", "--"]
+    runs = {}
+    for name, cmd in (("one_sample", [*launch, *sample]), ("two_sample", [*local, *sample]),
+                      ("one_eval", [*launch, *evaluate, "--out", str(tmp_path / "one.json")]),
+                      ("two_eval", [*local, *evaluate, "--out", str(tmp_path / "two.json")])):
+        runs[name] = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert runs[name].returncode == 0, (name, runs[name].stdout[-2000:], runs[name].stderr[-2000:])
+    texts = runs["one_sample"].stdout.splitlines()
+    assert len(texts) == 2
+    for host in ("[p0] ", "[p1] "):  # each host prints the texts (among its log lines)
+        lines = [line[len(host):] for line in runs["two_sample"].stdout.splitlines() if line.startswith(host)]
+        assert texts[0] in lines and lines[lines.index(texts[0]) + 1] == texts[1], (host, lines, texts)
+    reports = [json.load(open(tmp_path / f)) for f in ("one.json", "two.json")]
+    for r in reports:
+        r.pop("tokens_per_s")
+    assert reports[0] == reports[1] and reports[0]["validation_loss"] > 0

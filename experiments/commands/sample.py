@@ -23,11 +23,17 @@ def eval_args(p):
 
 def model_and_method(args):
     """(model, method): the checkpoint in ``args.workdir`` of the family ``model=`` names (default
-    ar), its config with the sample.*, speculative.*, flow.* and draft= overrides set, and the
-    method object that config describes (parsed here, once)."""
+    ar), its config with the sample.*, speculative.*, flow.*, draft= and mesh.* overrides set, and
+    the method object that config describes (parsed here, once). The model is placed on the mesh
+    ``mesh.*`` names (`relf_jax.runtime.sharding.model_mesh`) when a mesh key is given or the
+    command runs on several hosts (`relf-jax launch-local`, a pod): the samples and the report
+    are then the ones a single device gives."""
+    import jax
+
     from relf_jax.config import ConfigError, set_value
     from relf_jax.loading import load_model
     from relf_jax.methods import method_from_config
+    from relf_jax.runtime.sharding import model_mesh
 
     pairs = []
     for item in args.overrides:
@@ -40,12 +46,16 @@ def model_and_method(args):
     for key, value in pairs:
         if key in ("model", "model.family"):
             continue
-        if not key.startswith(("sample.", "speculative.", "draft", "flow.", "nfe", "sampler")):
-            raise ConfigError(f"{args.command} takes only sample.*, speculative.*, flow.* (nfe=, sampler=) "
-                              f"and draft= overrides, got {key!r}")
+        if not key.startswith(("sample.", "speculative.", "draft", "flow.", "nfe", "sampler", "mesh.")):
+            raise ConfigError(f"{args.command} takes only sample.*, speculative.*, flow.* (nfe=, sampler=), "
+                              f"draft= and mesh.* overrides, got {key!r}")
         cfg = set_value(cfg, key, value)
     cfg.validate()
-    return dataclasses.replace(lm, cfg=cfg), method_from_config(cfg)
+    lm = dataclasses.replace(lm, cfg=cfg)
+    if any(k.startswith("mesh.") for k, _ in pairs) or jax.process_count() > 1:
+        mesh = model_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+        lm = lm if mesh is None else lm.on_mesh(mesh)
+    return lm, method_from_config(cfg)
 
 
 def sample(args) -> int:
@@ -81,13 +91,15 @@ def sample(args) -> int:
 
 
 def evaluate(args) -> int:
+    import jax
+
     from relf_jax import api
     from relf_jax.io import write_json
 
     lm, method = model_and_method(args)
     out = api.evaluate(lm, args.judge, None, method)
     print(json.dumps(out, indent=2))
-    if args.out:
+    if args.out and jax.process_index() == 0:  # on several hosts: one writer
         write_json(args.out, out)
     return 0
 

@@ -58,6 +58,24 @@ def serve_args(p):
     p.add_argument("--log-level", default="info")
 
 
+def serving_mesh(words, command: str = "serve"):
+    """The mesh `relf-jax serve` runs its engines on: ``mesh.data`` slot groups x ``mesh.tensor``
+    devices per model copy (and ``mesh.fsdp``) over this host's devices, from the command's
+    ``mesh.*`` words (the only overrides it takes; defaults: every device a slot group). None: one
+    device, the plain engines."""
+    from relf_jax.config import Config, ConfigError, set_value
+    from relf_jax.runtime.sharding import model_mesh
+
+    cfg = Config()
+    for item in words:
+        key, eq, value = item.partition("=")
+        if not eq or not key.startswith("mesh.") or key == "mesh.distributed":
+            raise ConfigError(f"{command} takes only mesh.data, mesh.fsdp and mesh.tensor overrides "
+                              f"(e.g. mesh.data=2 mesh.tensor=4), got {item!r}")
+        cfg = set_value(cfg, key, value)
+    return model_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, local=True)
+
+
 def _cost_fn(args):
     """SJF's cost function: the DWS predictor with its cost model, or None."""
     from relf_jax.errors import UserError
@@ -85,6 +103,7 @@ def serve(args) -> int:
     if args.ngram_corpus and args.proposer != "corpus_ngram":
         raise UserError("--ngram-corpus is for --proposer corpus_ngram")
     template = ChatTemplate.from_file(args.chat_template) if args.chat_template else None
+    mesh = serving_mesh(args.overrides)
     # the edge: the command line's names become method objects here, once
     chosen = [parse_method(g, proposer=args.proposer, k=args.k, nsd_top_p=args.nsd_top_p, nfe=args.nfe,
                            threshold=args.threshold, draft=args.draft, corpus=args.ngram_corpus,
@@ -93,10 +112,11 @@ def serve(args) -> int:
                           slots=args.slots, max_queue=args.max_queue, policy=args.policy, aging=args.aging,
                           template=template, cost_fn=cost_fn, mock=args.mock, mock_step_s=args.mock_step_ms / 1e3,
                           steps_per_call=args.steps_per_call, max_context=args.max_context,
-                          prefix_cache_mb=args.prefix_cache_mb,
+                          prefix_cache_mb=args.prefix_cache_mb, mesh=mesh,
                           overlap={"auto": None, "on": True, "off": False}[args.overlap])
     name = next(iter(models))
+    where = "one device" if mesh is None else "mesh " + " x ".join(f"{a}={n}" for a, n in mesh.shape.items())
     print(f"[serve] model {name!r} with {', '.join(s.generator for s in models[name])} on "
-          f"http://{args.host}:{args.port}/v1 (policy {args.policy}, {args.slots} slots)", flush=True)
+          f"http://{args.host}:{args.port}/v1 (policy {args.policy}, {args.slots} slots, {where})", flush=True)
     run_server(models, host=args.host, port=args.port, log_level=args.log_level, lean=not args.no_lean_routes)
     return 0

@@ -127,7 +127,7 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 600
-    batch_size: int = 16
+    batch_size: int = 16  # rows per optimizer step over all hosts (each host reads batch_size / processes)
     grad_accum: int = 1
     learning_rate: float = 3e-3
     warmup_steps: int = 50

@@ -1,14 +1,19 @@
 """The grain input pipeline: documents -> shuffled -> tokenized -> packed rows -> batches.
 
-``make_iterator`` builds, per host::
+``make_iterator`` builds, on every host::
 
     MapDataset.source(builder.as_data_source(split))
-      [process_index::process_count]        host shard (documents)
       .shuffle(seed).repeat(num_epochs)     reshuffled every epoch
       .map(bos + encode(text) + eos)
       .to_iter_dataset()
       -> PackedRows(seq_len + 1)            concatenate documents, cut fixed rows
-      .batch(batch_size, drop_remainder=True)
+      .batch(batch_size, drop_remainder=True)   the global batch
+      .map(rows of this host)               rows [i * B / P, (i + 1) * B / P) on host i of P
+
+Every host reads the same global stream of rows and keeps its block of each global batch, so
+the global batch (what the trainer assembles from the hosts' blocks, in process order) and
+hence the loss curve do not depend on the number of processes, and every host's iterator is
+at the same position. The price: each host tokenizes the whole split, not 1/P of it.
 
 Each batch is ``{"tokens", "segment_ids", "positions"}``, all int32
 ``[batch_size, seq_len + 1]``: inputs are ``tokens[:, :-1]``, targets ``tokens[:, 1:]``.
@@ -73,8 +78,13 @@ def validate_nonempty(builder, split: str):
     return source
 
 
-def _host_documents(builder, split: str, process_index, process_count) -> grain.MapDataset:
-    """This host's documents: every ``process_count``-th one starting at ``process_index``."""
+def _documents(builder, split: str) -> grain.MapDataset:
+    """All documents of `split`, in stored order (every host reads them all, see the module docstring)."""
+    return grain.MapDataset.source(validate_nonempty(builder, split))
+
+
+def _host(process_index: int | None, process_count: int | None, batch_size: int) -> tuple[int, int]:
+    """(process index, count), JAX's where None; the global `batch_size` must split evenly."""
     if process_index is None or process_count is None:
         import jax
 
@@ -82,14 +92,20 @@ def _host_documents(builder, split: str, process_index, process_count) -> grain.
         process_count = jax.process_count() if process_count is None else process_count
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index={process_index} not in [0, {process_count}).")
-    ds = grain.MapDataset.source(validate_nonempty(builder, split))
-    ds = ds[process_index::process_count]
-    if len(ds) == 0:
-        raise DataError(
-            f"split {split!r} of {builder.name} has fewer documents than the "
-            f"{process_count} hosts; host {process_index} gets none."
-        )
-    return ds
+    if batch_size % process_count:
+        raise ValueError(f"batch_size={batch_size} (the global batch) is not divisible by the {process_count} "
+                         "processes")
+    return process_index, process_count
+
+
+class _HostRows(grain.transforms.Map):
+    """A global batch -> this host's block of its rows."""
+
+    def __init__(self, start: int, count: int):
+        self.start, self.count = start, count
+
+    def map(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {k: v[self.start:self.start + self.count] for k, v in batch.items()}
 
 
 class _Tokenize(grain.transforms.Map):
@@ -279,21 +295,27 @@ def make_iterator(
     rows: str = "packed",
     align: int = 1,
 ) -> grain.DatasetIterator:
-    """This host's batches of rows (``rows``: "packed", "documents" or "segments"), int32
-    ``[batch_size, seq_len + 1]`` each. ``align`` > 1 (segments only) fills each document up
-    with pad ids to a multiple of ``align`` tokens first (block diffusion's blocks).
+    """This host's rows of each global batch (``rows``: "packed", "documents" or "segments"),
+    int32 ``[batch_size / process_count, seq_len + 1]`` each. ``align`` > 1 (segments only)
+    fills each document up with pad ids to a multiple of ``align`` tokens first (block
+    diffusion's blocks).
 
     Deterministic given ``seed``; ``num_epochs=None`` repeats forever (reshuffling every
-    epoch). ``process_index`` / ``process_count`` default to JAX's; each host reads the
-    documents ``process_index::process_count`` and ``batch_size`` is per host.
+    epoch). ``batch_size`` is the global batch; ``process_index`` / ``process_count`` default
+    to JAX's, and host i keeps rows ``[i * B / P, (i + 1) * B / P)`` of every global batch (the
+    module docstring), so the batches do not depend on the number of processes.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}.")
-    docs = _host_documents(builder, split, process_index, process_count)
+    index, count = _host(process_index, process_count, batch_size)
+    docs = _documents(builder, split)
     if shuffle:
         docs = docs.shuffle(seed)
     docs = docs.repeat(num_epochs)
-    return iter(_rows(docs, tokenizer, seq_len, rows, align).batch(batch_size, drop_remainder=True))
+    ds = _rows(docs, tokenizer, seq_len, rows, align).batch(batch_size, drop_remainder=True)
+    if count > 1:
+        ds = ds.map(_HostRows(index * batch_size // count, batch_size // count))
+    return iter(ds)
 
 
 def eval_batches(
@@ -309,19 +331,21 @@ def eval_batches(
     rows: str = "packed",
     align: int = 1,
 ) -> list[dict[str, np.ndarray]]:
-    """Up to ``max_batches`` batches from one pass over ``split`` in stored order.
+    """Up to ``max_batches`` global batches from one pass over ``split`` in stored order, this
+    host's rows of each (as `make_iterator`: ``[batch_size / process_count, seq_len + 1]``;
+    ``process_count=1``: the whole batch on every host).
 
-    Deterministic. Every batch has the full shape ``[batch_size, seq_len + 1]``: the last
-    one is padded with all-zero rows (segment id 0, so masked out by
-    ``segment_ids != 0``).
+    Deterministic. Every global batch has the full ``batch_size`` rows: the last one is padded
+    with all-zero rows (segment id 0, so masked out by ``segment_ids != 0``).
     """
-    docs = _host_documents(builder, split, process_index, process_count)
+    index, count = _host(process_index, process_count, batch_size)
+    per = batch_size // count
     batches = []
-    for batch in _rows(docs, tokenizer, seq_len, rows, align).batch(batch_size):
+    for batch in _rows(_documents(builder, split), tokenizer, seq_len, rows, align).batch(batch_size):
         missing = batch_size - len(batch["tokens"])
         if missing:
             batch = {k: np.pad(v, ((0, missing), (0, 0))) for k, v in batch.items()}
-        batches.append(batch)
+        batches.append({k: v[index * per:(index + 1) * per] for k, v in batch.items()})
         if len(batches) >= max_batches:
             break
     return batches

@@ -62,14 +62,18 @@ def data_reference(cfg: Config, tok, judge, n: int, max_tokens: int) -> dict:
 def validation_loss(lm, max_batches: int = 8) -> float:
     """Mean next-token loss on the validation split (nats/token)."""
     from relf_jax.data import pipeline
-    from relf_jax.runtime.sharding import make_mesh
+    from relf_jax.runtime.sharding import make_mesh, mesh_scope, put_global, to_host
     from relf_jax.train.loop import make_eval_step, plan_state
     from relf_jax.train.objectives import next_token_loss
     from relf_jax.train.optimizers import make_optimizer
 
     builder = prepare_data(lm.cfg)
+    # every process reads the whole split: the same batches, and the same loss, on any number of hosts
     batches = pipeline.eval_batches(builder, "validation", lm.tokenizer, seq_len=lm.cfg.data.seq_len,
-                                    batch_size=lm.cfg.train.batch_size, max_batches=max_batches)
-    plan = plan_state(lm.model_cfg, make_optimizer(lm.cfg.train), make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+                                    batch_size=lm.cfg.train.batch_size, max_batches=max_batches,
+                                    process_index=0, process_count=1)
+    mesh = lm.mesh or make_mesh(1, 1, 1, devices=jax.local_devices()[:1])
+    plan = plan_state(lm.model_cfg, make_optimizer(lm.cfg.train), mesh)
     step = make_eval_step(plan, next_token_loss)
-    return float(np.mean([float(step(lm.params, b)) for b in batches]))
+    with mesh_scope(lm.mesh):
+        return float(np.mean([float(to_host(step(lm.params, put_global(b, mesh)))) for b in batches]))

@@ -40,7 +40,7 @@ def params_from_flat(model_cfg: ModelConfig, flat: Mapping[str, np.ndarray], *, 
     their dtype unless the model's parameter dtype differs (then they are cast).
     """
     graphdef, abstract = abstract_params(model_cfg)
-    mesh = mesh or shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    mesh = mesh or shd.make_mesh(1, 1, 1, devices=jax.local_devices()[:1])
     shardings = dict((_name(p), s) for p, s in nnx.to_flat_state(shd.state_shardings(abstract, mesh)))
     leaves = list(nnx.to_flat_state(abstract))
     names = [_name(p) for p, _ in leaves]

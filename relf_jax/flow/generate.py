@@ -19,6 +19,7 @@ from relf_jax.flow.samplers import FlowSamplerSettings
 from relf_jax.flow.samplers import sample as flow_sample
 from relf_jax.flow.singular import network_residual
 from relf_jax.methods import Flow
+from relf_jax.runtime.sharding import to_host
 from relf_jax.sampling.batch import Samples, collect, cut_at_stop, prompt_ids, samples_from_rows, timed_chunks
 
 
@@ -139,7 +140,7 @@ def sample_relf(lm, n: Optional[int] = None, *, prompts: Optional[Sequence[str]]
     rows, seconds = [], 0.0
     for (start, seg), out, sec in timed_chunks(n, bs, jax.random.key(seed), prepare, run, warmup=warmup):
         seconds += sec
-        out = np.asarray(out)
+        out = to_host(out)
         if seg is not None:
             out = np.where(np.asarray(seg) != 0, out, tok.pad_id)
         rows.extend(out[: min(bs, n - start)])

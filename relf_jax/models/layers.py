@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from relf_jax.runtime.sharding import constrain
+from relf_jax.runtime.sharding import KV_CACHE_AXES, constrain
 
 KVCache = tuple[tuple[jax.Array, jax.Array], ...]  # per layer (k, v): [B, K, S, Dh] each
 
@@ -221,8 +221,8 @@ class Attention(nnx.Module):
         v = jnp.swapaxes(v, 1, 2)
         if cache is not None:
             write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u.astype(c.dtype), (0, i, 0)))
-            k_all = write(cache[0], k, cache_index)
-            v_all = write(cache[1], v, cache_index)
+            k_all = constrain(write(cache[0], k, cache_index), KV_CACHE_AXES)
+            v_all = constrain(write(cache[1], v, cache_index), KV_CACHE_AXES)
             cache = (k_all, v_all)
         else:
             k_all, v_all = k, v

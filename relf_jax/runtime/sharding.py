@@ -10,6 +10,7 @@ Multi-host: `init_distributed` is the one place that calls ``jax.distributed.ini
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -38,6 +39,9 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("vocab", "tensor"),
     ("layers", None),
 )
+# a KV cache [batch, kv_heads, slots, head_dim]: rows over data x fsdp, heads over tensor, the
+# sequence unsharded (a decode step writes one slot of every row)
+KV_CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
 
 _log = logging.getLogger(__name__)
 
@@ -131,6 +135,20 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
     return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def model_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, *, local: bool = False) -> Mesh | None:
+    """The mesh a model samples or serves on (``mesh.data`` x ``mesh.fsdp`` x ``mesh.tensor``,
+    `make_mesh`) over all processes' devices, or over this process's own (`local`: a server
+    answers on its own host); None where that is one device (the single-device path). A shape
+    the devices cannot take is a `UserError`."""
+    devices = jax.local_devices() if local else jax.devices()
+    if len(devices) == 1 and {data, fsdp, tensor} <= {-1, 1}:
+        return None
+    try:
+        return make_mesh(data, fsdp, tensor, devices=devices)
+    except ValueError as e:
+        raise UserError(f"mesh.data={data} mesh.fsdp={fsdp} mesh.tensor={tensor}: {e}") from None
+
+
 def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
                     rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> PartitionSpec:
     """Map logical axis names to a PartitionSpec on `mesh`.
@@ -190,6 +208,69 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     if mesh is None or mesh.empty or math.prod(mesh.shape.values()) == 1:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, x.shape, mesh))
+
+
+def shard_params(params: Any, mesh: Mesh) -> Any:
+    """`params` (an nnx.State) placed on `mesh` by their `logical_axes` (`state_shardings`): the
+    layout the trainer uses, for sampling and serving a model split over devices."""
+    return jax.device_put(params, state_shardings(params, mesh))
+
+
+def mesh_scope(mesh: Mesh | None):
+    """``jax.set_mesh(mesh)``, or a no-op context without a mesh: the samplers and engines trace
+    their programs inside it, so `constrain` shards activations and KV caches on it."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def slot_axes(mesh: Mesh | None) -> tuple[str, ...] | None:
+    """The mesh axes the serving engines split their slots over: ``data`` when it has more than
+    one device, else None (the engines' ``vmap(..., spmd_axis_name=...)``). Not ``fsdp``: it
+    splits the weights' model dimension, which the activations inside a slot use too."""
+    return ("data",) if mesh is not None and mesh.shape.get("data", 1) > 1 else None
+
+
+def slot_groups(mesh: Mesh | None) -> int:
+    """How many groups of slots (`slot_axes`) a mesh runs side by side (1 without a mesh)."""
+    return 1 if mesh is None else math.prod(mesh.shape[a] for a in slot_axes(mesh) or ())
+
+
+def to_host(tree: Any) -> Any:
+    """`tree`'s arrays as NumPy arrays on this host: ``jax.device_get``, except that an array
+    spanning other processes' devices (a multi-host mesh) is first gathered from all of them
+    (``process_allgather``, a collective: every process must call it)."""
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return jax.device_get(x)
+
+    return jax.tree.map(one, tree)
+
+
+def put_global(batch: dict, mesh: Mesh) -> dict:
+    """A batch that every process holds whole (NumPy) -> global arrays on `mesh`, rows over
+    data x fsdp: each device takes its rows of that one batch, so the result does not depend on
+    the number of processes (unlike the trainer's `put_batch`, where each host adds its own rows)."""
+    out = {}
+    for k, v in batch.items():
+        v = np.asarray(v)
+        out[k] = jax.make_array_from_callback(v.shape, batch_sharding(mesh, v.ndim), lambda idx, v=v: v[idx])
+    return out
+
+
+def describe_shardings(tree: Any) -> list[dict]:
+    """Per array of `tree`: its PartitionSpec (as text), global shape and the shapes of its
+    per-device shards, for checks and `relf-jax info`."""
+    out = []
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not isinstance(x, jax.Array):
+            continue
+        spec = getattr(x.sharding, "spec", None)
+        out.append({"path": jax.tree_util.keystr(path), "shape": tuple(x.shape), "spec": str(spec),
+                    "shard_shapes": sorted({tuple(s.data.shape) for s in x.addressable_shards})})
+    return out
 
 
 def process_allgather_json(obj: Any) -> list:

@@ -9,10 +9,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import jax
-import numpy as np
 
 from relf_jax.config import SampleConfig, validate_sampling
 from relf_jax.data.tokenizer import encode_prompt
+from relf_jax.runtime.sharding import to_host
 from relf_jax.sampling import autoregressive as ar
 from relf_jax.sampling.batch import Samples, collect, fill_chunk, prompt_ids, strip_stop, timed_chunks
 
@@ -63,7 +63,7 @@ def decode_batches(lm, ids: Sequence[Sequence[int]], sc: SampleConfig, run, *, e
             len(ids), bs, jax.random.key(sc.seed), prepare, lambda inputs, key: run(*inputs[1], key),
             warmup=warmup):
         seconds += sec
-        toks, lengths, plens = np.asarray(tokens), np.asarray(lengths), np.asarray(lens)
+        toks, lengths, plens = to_host((tokens, lengths, lens))
         if count_forwards is not None:
             forwards += count_forwards(state, count)
         replies.extend(strip_stop(toks[i, plens[i]:lengths[i]].tolist(), {tok.eos_id}) for i in range(count))
@@ -134,7 +134,7 @@ def sample_bd(lm, prompts: Optional[Sequence[str]] = None, n: Optional[int] = No
 
     def run(inputs, key):
         arr, plen = inputs[1]
-        return jax.device_get(bdd.generate(lm.graphdef, lm.params, arr, plen, settings, key))
+        return to_host(bdd.generate(lm.graphdef, lm.params, arr, plen, settings, key))
 
     replies, seconds, forwards, steps, commits = [], 0.0, 0, 0, 0
     for (count, (_, plen)), state, sec in timed_chunks(len(ids), bs, jax.random.key(sc.seed), prepare, run,

@@ -30,7 +30,7 @@ def _or(steps_per_call: int | None, kind: str) -> int:
 
 def engine_for(workdir: str, method: methods.Method, *, slots: int = 8, top_k: int = 0,
                steps_per_call: int | None = None, max_context: int | None = None,
-               prefix_cache_mb: float = 0.0) -> Engine:
+               prefix_cache_mb: float = 0.0, mesh=None) -> Engine:
     """The serving engine that decodes the checkpoint in `workdir` (the ``<workdir>/<family>``
     layout of `relf-jax train`, or a HuggingFace Llama / Qwen2 folder, loaded in place: AR and
     speculative methods; a draft may be an HF folder too) with `method`, a `relf_jax.methods`
@@ -57,6 +57,10 @@ def engine_for(workdir: str, method: methods.Method, *, slots: int = 8, top_k: i
     conversation) prefills only the rest (`relf_jax.serving.prefix_cache`); 0: none. The
     block-diffusion and ReLF engines denoise every request's tokens from scratch and have no KV
     cache to reuse: they say so on stderr and run without it.
+
+    `mesh` (`relf_jax.runtime.sharding.model_mesh`): the model (and a draft) placed on it,
+    `LoadedModel.on_mesh`: the slots split into groups over its data (and fsdp) axes, each
+    model over its tensor axis (`relf_jax.serving.engines.on_mesh`); None: one device.
     """
     from relf_jax.loading import load_model
     from relf_jax.serving import engines as E
@@ -67,8 +71,8 @@ def engine_for(workdir: str, method: methods.Method, *, slots: int = 8, top_k: i
             print(f"[serve] the {methods.generator_name(method)} engine does not use the prefix cache (it has no "
                   "KV cache of the prompt to reuse)", file=sys.stderr, flush=True)
         cls = E.BlockDiffusionEngine if isinstance(method, methods.BlockDiffusion) else E.ReLFEngine
-        return cls(load_model(workdir, family), slots, method=method)
-    lm = load_model(workdir, family)
+        return cls(_placed(load_model(workdir, family), mesh), slots, method=method)
+    lm = _placed(load_model(workdir, family), mesh)
     if isinstance(method, methods.Autoregressive):
         engine = E.AREngine(lm, slots, top_k=top_k, steps_per_call=_or(steps_per_call, "ar"), max_context=max_context)
     else:
@@ -77,6 +81,10 @@ def engine_for(workdir: str, method: methods.Method, *, slots: int = 8, top_k: i
                                      steps_per_call=_or(steps_per_call, "speculative"), max_context=max_context)
     engine.enable_prefix_cache(prefix_cache_mb)
     return engine
+
+
+def _placed(lm, mesh):
+    return lm if mesh is None else lm.on_mesh(mesh)
 
 
 def proposer_inputs(workdir: str, lm, method: methods.Speculative):
@@ -133,7 +141,7 @@ def build_models(workdir: str | None, generators: Sequence[methods.Method], *, m
 
     generators: `relf_jax.methods` objects (empty: `Autoregressive()`; the first is the default;
     the CLI parses its ``--generator`` names with `relf_jax.methods.parse_method`); `engine_kw`:
-    `engine_for`'s top_k, steps_per_call, max_context, prefix_cache_mb.
+    `engine_for`'s top_k, steps_per_call, max_context, prefix_cache_mb, mesh.
 
     policy: "fcfs", "sjf" (shortest predicted DWS cost first, with `aging` cost-seconds per
     second waited; needs `cost_fn`, e.g. `relf_jax.dws.predictor.WorkloadCost`) or "priority"

@@ -20,6 +20,7 @@ from relf_jax.data.prepare import prepare_data
 from relf_jax.errors import UserError
 from relf_jax.loading import load_model
 from relf_jax.methods import Autoregressive, DraftModel, Method, NgramTable, Speculative, method_from_config
+from relf_jax.runtime.sharding import to_host
 from relf_jax.sampling.batch import Samples, prompt_ids
 from relf_jax.sampling.recipes import ar_batch, decode_batches
 from relf_jax.train.loop import TrainResult, train
@@ -113,6 +114,8 @@ def load_draft(lm: LoadedModel, path_or_model=None) -> LoadedModel:
         draft, what = path_or_model, "the draft model given"
     if not tokenizer_lib.same_tokenization(draft.tokenizer, lm.tokenizer):
         raise UserError(f"{what} uses another tokenizer than the target")
+    if lm.mesh is not None and draft.mesh is not lm.mesh:  # the draft runs on the target's devices
+        draft = draft.on_mesh(lm.mesh)
     return draft
 
 
@@ -156,7 +159,7 @@ def sample(lm: LoadedModel, prompts: Optional[Sequence[str]] = None, n: Optional
     draft, table = proposer_inputs(lm, method, ngram_table)
     return decode_batches(lm, ids, sc, spec_batch(lm, sc, method, draft, table), extra=method.k + 1,
                           warmup=warmup,
-                          count_forwards=lambda state, rows: int(jax.device_get(state.target_forwards)[:rows].sum()))
+                          count_forwards=lambda state, rows: int(to_host(state.target_forwards)[:rows].sum()))
 
 
 def draft_defaults(target: ModelConfig) -> list[str]:

@@ -1,9 +1,12 @@
 """The data iterator's position in a checkpoint, for one process or several.
 
-Each host reads its own slice of the data, so each has its own iterator position. A checkpoint
-keeps them all (``{"per_process": [state_0, state_1, ...]}``, gathered from every process before
-the save, since one process writes the JSON item); a restore hands each process its own. A
-single-process run keeps the plain state, as before.
+Every host reads the same global stream of rows and keeps its block of each batch
+(`relf_jax.data.pipeline`), so the hosts' positions are equal. A checkpoint still keeps each
+host's (``{"per_process": [state_0, state_1, ...]}``, gathered from every process before the
+save, since one process writes the JSON item): a restore checks that they agree and then
+resumes any number of processes from that one position. Positions that differ (an iterator
+whose hosts read their own data) go back to their own hosts, with the same process count only.
+A single-process run keeps the plain state.
 """
 
 from __future__ import annotations
@@ -26,14 +29,14 @@ def gather(state: Any) -> Any:
 
 
 def own(saved: Any) -> Any:
-    """This process's iterator state from what `gather` saved."""
+    """This process's iterator state from what `gather` saved (under any process count when
+    the saved positions agree)."""
     if not (isinstance(saved, dict) and PER_PROCESS in saved):
-        if jax.process_count() > 1:
-            raise UserError(f"the checkpoint holds one data position and this run has {jax.process_count()} "
-                            "processes, each reading its own slice of the data; resume with 1 process")
-        return saved
+        return saved  # one position, the one every host holds
     states = saved[PER_PROCESS]
+    if all(s == states[0] for s in states):
+        return states[0]
     if len(states) != jax.process_count():
-        raise UserError(f"the checkpoint holds the data positions of {len(states)} processes and this run has "
-                        f"{jax.process_count()}; resume with {len(states)}")
+        raise UserError(f"the checkpoint holds the different data positions of {len(states)} processes and this "
+                        f"run has {jax.process_count()}; resume with {len(states)}")
     return states[jax.process_index()]

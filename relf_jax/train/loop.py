@@ -196,7 +196,7 @@ def train(cfg: Config, model_cfg: ModelConfig, loss_fn: LossFn, data: Iterator[d
     mesh = mesh or shd.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     micro = tc.batch_size // tc.grad_accum
-    if micro % shards and jax.process_count() == 1:
+    if micro % shards:  # train.batch_size is the global batch, whatever the number of processes
         raise UserError(f"train.batch_size / train.grad_accum = {micro} must be divisible by the "
                         f"{shards} data x fsdp shards of the mesh")
     plan = plan_state(model_cfg, make_optimizer(tc), mesh)
@@ -380,7 +380,7 @@ def load_params(workdir: str, model_cfg: ModelConfig, train_cfg, mesh=None):
 
     Raises `UserError` if there is none or it holds another model family.
     """
-    mesh = mesh or shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    mesh = mesh or shd.make_mesh(1, 1, 1, devices=jax.local_devices()[:1])
     plan = plan_state(model_cfg, make_optimizer(train_cfg), mesh)
     restored = Checkpointer(workdir, async_save=False, read_only=True).restore_latest(
         plan.restore_target(), family=model_cfg.family)

@@ -12,6 +12,7 @@ from relf_jax.data.tokenizer import turn_stop_ids
 from relf_jax.errors import UserError
 from relf_jax.sampling.prefill import CachedPrefix
 from relf_jax.serving.engine_api import LOGPROBS_TOP, SAMPLING_FEATURES, StepOutput
+from relf_jax.serving.engines.on_mesh import vmap_slots
 from relf_jax.serving.engines.slot_engine import SlotEngine
 from relf_jax.serving.engines.slots import (
     Leaves,
@@ -104,7 +105,7 @@ class AREngine(SlotEngine):
         stops = jnp.asarray(self.stop_ids, jnp.int32)
 
         def step(slots):
-            new, lp = jax.vmap(one)(slots.state, slots.sampling)
+            new, lp = vmap_slots(one, self.mesh)(slots.state, slots.sampling)
             emitted = new.lengths[:, 0] > slots.state.lengths[:, 0]
             last = jnp.take_along_axis(new.tokens[:, 0], (new.lengths[:, 0] - 1)[:, None], axis=1)[:, 0]
             # a slot stops at any stop token (the sampler itself only at EOS) or when full

@@ -16,6 +16,7 @@ from relf_jax.data.tokenizer import turn_stop_ids
 from relf_jax.errors import UserError
 from relf_jax.methods import BlockDiffusion
 from relf_jax.serving.engine_api import Engine, Prefix, RequestParams, StepOutput
+from relf_jax.serving.engines.on_mesh import check_slot_groups, engine_jit, vmap_slots
 from relf_jax.serving.engines.slots import Leaves, bucket_for, free_all_slots, set_slot, stack_slots
 
 
@@ -28,6 +29,10 @@ class _BDSlot:
     done: jax.Array  # [1]
     key: jax.Array  # [2] uint32 key data
     temperature: jax.Array  # []
+
+
+def _finish_slot(slots, slot):
+    return slots.replace(done=slots.done.at[slot].set(True))
 
 
 class BlockDiffusionEngine(Engine):
@@ -56,11 +61,13 @@ class BlockDiffusionEngine(Engine):
         self.settings = bdd.decode_settings(lm, max_blocks=1, threshold=0.95 if method.threshold is None
                                             else method.threshold, confidence=method.confidence or "max")
         self._weights = Leaves(lm.params)
-        self._jit_step = jax.jit(self._step_all, donate_argnums=(1,))
-        self._jit_insert = jax.jit(set_slot, donate_argnums=(0,))
-        self._jit_prefill = jax.jit(self._prefix_data)
-        self._jit_prefill_insert = jax.jit(self._prefill_into, donate_argnums=(1,))
-        self._jit_free = jax.jit(lambda s, slot: s.replace(done=s.done.at[slot].set(True)), donate_argnums=(0,))
+        self.mesh = mesh = lm.mesh  # a model on a mesh: slot groups over data, heads over tensor
+        check_slot_groups(num_slots, mesh)
+        self._jit_step = engine_jit(self._step_all, mesh, slots_out=0, donate_argnums=(1,))
+        self._jit_insert = engine_jit(set_slot, mesh, slots_out="all", donate_argnums=(0,))
+        self._jit_prefill = engine_jit(self._prefix_data, mesh)
+        self._jit_prefill_insert = engine_jit(self._prefill_into, mesh, slots_out="all", donate_argnums=(1,))
+        self._jit_free = engine_jit(_finish_slot, mesh, slots_out="all", donate_argnums=(0,))
 
     def reserve(self) -> int:
         return self.block_size  # the last block may run past max_tokens
@@ -126,7 +133,7 @@ class BlockDiffusionEngine(Engine):
             row = jnp.stack([jnp.where(active, lo, 0)[0], jnp.where(active, hi, 0)[0], (active & done)[0]])
             return new, jnp.concatenate([block[0], row.astype(block.dtype)])
 
-        return jax.vmap(one)(slots)  # (state, [slots, (d block tokens, lo, hi, done)])
+        return vmap_slots(one, self.mesh)(slots)  # (state, [slots, (d block tokens, lo, hi, done)])
 
     def generate(self, state):
         t0 = time.perf_counter()

@@ -15,6 +15,7 @@ from relf_jax.data.tokenizer import turn_stop_ids
 from relf_jax.errors import UserError
 from relf_jax.methods import Flow
 from relf_jax.serving.engine_api import Engine, Prefix, RequestParams, StepOutput
+from relf_jax.serving.engines.on_mesh import check_slot_groups, engine_jit, vmap_slots
 from relf_jax.serving.engines.slots import Leaves, set_slot, stack_slots
 
 
@@ -25,6 +26,10 @@ class _FlowSlot:
     key: jax.Array  # [2] uint32 key data
     active: jax.Array  # [] bool
     segment_len: jax.Array  # [] the row's one segment (a model trained on segment rows; else L)
+
+
+def _release_slot(slots, slot):
+    return slots.replace(active=slots.active.at[slot].set(False))
 
 
 class ReLFEngine(Engine):
@@ -60,12 +65,13 @@ class ReLFEngine(Engine):
         self.length_counts = None if counts is None else np.pad(counts, (0, max(0, self.length + 1 - len(counts))))[
             :self.length + 1]
         self._weights = Leaves(lm.params)
-        self._jit_step = jax.jit(self._step_all, donate_argnums=(1,))
-        self._jit_insert = jax.jit(set_slot, donate_argnums=(0,))
-        self._jit_prefill = jax.jit(self._prefix_data)
-        self._jit_prefill_insert = jax.jit(self._prefill_into, donate_argnums=(0,))
-        self._jit_free = jax.jit(lambda s, slot: s.replace(active=s.active.at[slot].set(False)),
-                                 donate_argnums=(0,))
+        self.mesh = mesh = lm.mesh  # a model on a mesh: slot groups over data, heads over tensor
+        check_slot_groups(num_slots, mesh)
+        self._jit_step = engine_jit(self._step_all, mesh, slots_out=0, donate_argnums=(1,))
+        self._jit_insert = engine_jit(set_slot, mesh, slots_out="all", donate_argnums=(0,))
+        self._jit_prefill = engine_jit(self._prefix_data, mesh)
+        self._jit_prefill_insert = engine_jit(self._prefill_into, mesh, slots_out="all", donate_argnums=(0,))
+        self._jit_free = engine_jit(_release_slot, mesh, slots_out="all", donate_argnums=(0,))
 
     def init_state(self):
         one = self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data
@@ -123,7 +129,7 @@ class ReLFEngine(Engine):
                                   length=self.length, known=(known[None], table[sl.tokens][None]))
             return jnp.where(known, sl.tokens, jnp.where(inside, toks[0], self.tokenizer.pad_id))
 
-        out = jax.vmap(one)(slots)
+        out = vmap_slots(one, self.mesh)(slots)
         return slots.replace(active=jnp.zeros_like(slots.active)), out, slots.active
 
     def generate(self, state):

@@ -21,12 +21,12 @@ import functools
 import time
 from collections.abc import Sequence
 
-import jax
 import numpy as np
 
 from relf_jax.errors import UserError
 from relf_jax.sampling.autoregressive import prompt_bucket
 from relf_jax.serving.engine_api import Engine, Pending, Prefix, RequestParams, StepOutput
+from relf_jax.serving.engines.on_mesh import check_slot_groups, engine_jit
 from relf_jax.serving.engines.slots import (
     Held,
     Spans,
@@ -65,15 +65,20 @@ class SlotEngine(Engine):
         ``max_context`` and ``tokens_per_step``)."""
         self.compact = True  # step only the occupied slots when few are (`subset_slots`)
         self.spans = Spans(self.max_context, self.tokens_per_step)
-        self._jit_step = jax.jit(self.step_all, donate_argnums=(1,), static_argnames=("features",))
-        self._jit_step_subset = jax.jit(functools.partial(step_subset, self.step_all), donate_argnums=(1,),
-                                        static_argnames=("features",))
-        self._jit_resize = jax.jit(self.resize_slots, static_argnums=(1,))
-        self._jit_insert = jax.jit(set_slot, donate_argnums=(0,))
-        self._jit_prefill = jax.jit(self.prefix_data, static_argnames=("settings", "features"))
-        self._jit_prefill_insert = jax.jit(self._prefill_into, donate_argnums=(1,),
-                                           static_argnames=("settings", "features"))
-        self._jit_free = jax.jit(_mark_free, donate_argnums=(0,))
+        # a model placed on a mesh (`LoadedModel.on_mesh`): slot groups over data, heads over tensor
+        self.mesh = self.lm.mesh
+        self.slot_groups = check_slot_groups(self.num_slots, self.mesh)
+        mesh = self.mesh
+        self._jit_step = engine_jit(self.step_all, mesh, slots_out=0, donate_argnums=(1,),
+                                    static_argnames=("features",))
+        self._jit_step_subset = engine_jit(functools.partial(step_subset, self.step_all), mesh, slots_out=0,
+                                           donate_argnums=(1,), static_argnames=("features",))
+        self._jit_resize = engine_jit(self.resize_slots, mesh, slots_out="all", static_argnums=(1,))
+        self._jit_insert = engine_jit(set_slot, mesh, slots_out="all", donate_argnums=(0,))
+        self._jit_prefill = engine_jit(self.prefix_data, mesh, static_argnames=("settings", "features"))
+        self._jit_prefill_insert = engine_jit(self._prefill_into, mesh, slots_out=0, donate_argnums=(1,),
+                                              static_argnames=("settings", "features"))
+        self._jit_free = engine_jit(_mark_free, mesh, slots_out="all", donate_argnums=(0,))
 
     # the subclass's parts
     @abc.abstractmethod
@@ -250,7 +255,7 @@ class SlotEngine(Engine):
     def dispatch(self, state):
         t0 = time.perf_counter()
         state = self._fit(state)
-        idx = subset_slots(state, self.num_slots) if self.compact else None
+        idx = subset_slots(state, self.num_slots, self.slot_groups) if self.compact else None
         if idx is None:
             slots, out = self._jit_step(self.weight_args(), state.slots, features=state.features)
         else:

@@ -15,6 +15,7 @@ from relf_jax.errors import UserError
 from relf_jax.methods import DraftModel, NgramTable, Speculative
 from relf_jax.sampling.prefill import CachedPrefix
 from relf_jax.serving.engine_api import LOGPROBS_TOP, SAMPLING_FEATURES, StepOutput
+from relf_jax.serving.engines.on_mesh import vmap_slots
 from relf_jax.serving.engines.slot_engine import SlotEngine
 from relf_jax.serving.engines.slots import (
     Leaves,
@@ -197,7 +198,7 @@ class SpeculativeEngine(SlotEngine):
 
         def round_(slots):
             old = slots.state
-            new, lp = jax.vmap(one)(old, slots.sampling)
+            new, lp = vmap_slots(one, self.mesh)(old, slots.sampling)
             start, count = old.lengths[:, 0], new.lengths[:, 0] - old.lengths[:, 0]
             window = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (self.k + 1,)))(
                 new.tokens[:, 0], jnp.minimum(start, new.tokens.shape[-1] - self.k - 1))
