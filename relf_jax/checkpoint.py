@@ -251,7 +251,7 @@ class LoadedModel:
         (`relf_jax.runtime.sharding.shard_params`): sampling, evaluation and the serving engines
         then run split over its devices (rows over data x fsdp, heads, MLP and vocabulary over
         tensor) and give the tokens they give on one device."""
-        from relf_jax.runtime.sharding import replicated, shard_params
+        from relf_jax.runtime.sharding import put_on, replicated, shard_params
 
-        extras = {k: jax.device_put(v, replicated(mesh)) for k, v in self.extras.items()}
+        extras = put_on(self.extras, jax.tree.map(lambda _: replicated(mesh), self.extras), mesh)
         return dataclasses.replace(self, params=shard_params(self.params, mesh), extras=extras, mesh=mesh)

@@ -213,7 +213,16 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
 def shard_params(params: Any, mesh: Mesh) -> Any:
     """`params` (an nnx.State) placed on `mesh` by their `logical_axes` (`state_shardings`): the
     layout the trainer uses, for sampling and serving a model split over devices."""
-    return jax.device_put(params, state_shardings(params, mesh))
+    return put_on(params, state_shardings(params, mesh), mesh)
+
+
+def put_on(tree: Any, shardings: Any, mesh: Mesh) -> Any:
+    """``jax.device_put(tree, shardings)``; on a mesh that spans other processes' devices the
+    arrays go through this host's memory first (every process holds the same values and places
+    its own shards: there is no cross-host device-to-device copy to do it)."""
+    if any(d.process_index != jax.process_index() for d in mesh.devices.flat):
+        tree = jax.device_get(tree)
+    return jax.device_put(tree, shardings)
 
 
 def mesh_scope(mesh: Mesh | None):
