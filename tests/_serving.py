@@ -1,4 +1,5 @@
-"""Helpers for the serving tests: tiny random models on the byte tokenizer, a live server."""
+"""Helpers for the serving tests: tiny random models on the byte tokenizer, jobs run through an
+engine, a live server."""
 
 import contextlib
 import dataclasses
@@ -33,6 +34,41 @@ def tiny_lm(family: str = "ar", seed: int = 0, **model_kw):
         extras["flow.embeddings"] = jnp.asarray(table, jnp.float32)
     return LoadedModel(cfg=cfg, model_cfg=mc, graphdef=graphdef, params=params, tokenizer=tok, step=0,
                        extras=extras)
+
+
+def run_engine(engine, jobs, steps, both_paths=False):
+    """jobs: (slot, prompt, params, insert_before_step). Returns slot -> tokens (prefill tokens first).
+
+    Runs with the fused `prefill_insert` (the batcher's path); both_paths: also with `prefill` +
+    `insert`, checking both give the same tokens (the tests of each engine against its sampler do;
+    the others need not compile the second path). A slot that reports done is freed as the
+    batcher frees it (``stopped=True``: no device update) and must emit nothing after."""
+    runs = []
+    for fused in ((False, True) if both_paths else (True,)):
+        state = engine.init_state()
+        out, stopped = {}, set()
+        for step in range(steps + 1):
+            for slot, prompt, params, at in jobs:
+                if at == step:
+                    if fused:
+                        state, pre = engine.prefill_insert(prompt, params, state, slot)
+                    else:
+                        pre = engine.prefill(prompt, params)
+                        state = engine.insert(pre, state, slot)
+                    out[slot] = list(pre.tokens)
+            if step < steps:
+                state, res = engine.generate(state)
+                for slot in out:
+                    assert slot not in stopped or (res.tokens[slot] == [] and not res.done[slot])
+                    out[slot] += res.tokens[slot]
+                    if res.done[slot] and slot not in stopped:
+                        state = engine.free(state, slot, stopped=True)
+                        stopped.add(slot)
+                free = [s for s in range(engine.num_slots) if s not in out]
+                assert all(res.tokens[s] == [] and not res.done[s] for s in free)
+        runs.append(out)
+    assert all(r == runs[-1] for r in runs)
+    return runs[-1]
 
 
 def wait_until(condition, timeout: float = 30.0, what: str = "the condition") -> None:

@@ -81,6 +81,14 @@ def logits(lm) -> np.ndarray:
     return np.asarray(out)
 
 
+def recompiles(m) -> int:
+    """Compilations of the AR loop for another seed and temperature on a mesh it already ran on:
+    the loop is one program whatever the knobs (0 expected)."""
+    before = ar.generate_jit._cache_size()
+    api.sample(m["ar"], PROMPTS, SamplingParams(temperature=0.7, max_new_tokens=10, batch_size=8, seed=11))
+    return ar.generate_jit._cache_size() - before
+
+
 def layouts(m) -> dict:
     """The parameters' and an AR decode state's KV cache's partition specs and shard shapes."""
     params = {r["path"]: r for r in describe_shardings(m["ar"].params)}
@@ -99,7 +107,7 @@ def samplers() -> dict:
     for name, shape in MESHES.items():
         m = placed(lms, make_mesh(*shape))
         out[name] = {"tokens": sampler_tokens(m), "logit_diff": float(np.abs(logits(m["ar"]) - ref).max()),
-                     **layouts(m)}
+                     "recompiles": recompiles(m), **layouts(m)}
     return out
 
 
@@ -110,7 +118,8 @@ JOBS = [(1, "<user> weather? <assistant>", RequestParams(12, 1.0, seed=9), 0),
 
 def engine_tokens(m, slots: int, rules: tuple) -> dict:
     """Each engine's tokens for `JOBS` (sampled and greedy requests, one joining a step late)."""
-    from tests.test_engines import TOK, _run
+    from tests._serving import run_engine
+    from tests.test_engines import TOK
 
     jobs = [(slot, [2] + TOK.encode(text), p, at) for slot, text, p, at in JOBS]
     engines = {"ar": (E.AREngine(m["ar"], slots, steps_per_call=2), 5),
@@ -119,7 +128,7 @@ def engine_tokens(m, slots: int, rules: tuple) -> dict:
                   for rule in rules},
                "bd": (E.BlockDiffusionEngine(m["bd"], slots, method=BlockDiffusion(threshold=0.5)), 3),
                "relf": (E.ReLFEngine(m["relf"], slots, method=Flow(nfe=3)), 1)}
-    out = {k: {str(s): t for s, t in _run(eng, jobs, steps).items()} for k, (eng, steps) in engines.items()}
+    out = {k: {str(s): t for s, t in run_engine(eng, jobs, steps).items()} for k, (eng, steps) in engines.items()}
     state = engines["ar"][0].init_state()
     out["_layout"] = {"kv_cache": describe_shardings(state.slots.state.cache)[0],
                       "tokens": describe_shardings(state.slots.state.tokens)[0]}

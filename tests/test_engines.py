@@ -12,53 +12,18 @@ from relf_jax.methods import BlockDiffusion, Flow, NgramTable, PromptLookup, Spe
 from relf_jax.serving import engines as E
 from relf_jax.serving.engine_api import RequestParams
 from relf_jax.serving.engines.slots import Held, subset_slots
-from tests._serving import tiny_lm
+from tests._serving import run_engine, tiny_lm
 
 TOK = E.ByteTokenizer()
 PROMPTS = [[2] + TOK.encode("<user> hello there <assistant>"), [2] + TOK.encode("<user> hi <assistant>"),
            [2] + TOK.encode("<user> weather? <assistant>")]
 
 
-def _run(engine, jobs, steps, both_paths=False):
-    """jobs: (slot, prompt, params, insert_before_step). Returns slot -> tokens (prefill tokens first).
-
-    Runs with the fused `prefill_insert` (the batcher's path); both_paths: also with `prefill` +
-    `insert`, checking both give the same tokens (the tests of each engine against its sampler do;
-    the others need not compile the second path). A slot that reports done is freed as the
-    batcher frees it (``stopped=True``: no device update) and must emit nothing after."""
-    runs = []
-    for fused in ((False, True) if both_paths else (True,)):
-        state = engine.init_state()
-        out, stopped = {}, set()
-        for step in range(steps + 1):
-            for slot, prompt, params, at in jobs:
-                if at == step:
-                    if fused:
-                        state, pre = engine.prefill_insert(prompt, params, state, slot)
-                    else:
-                        pre = engine.prefill(prompt, params)
-                        state = engine.insert(pre, state, slot)
-                    out[slot] = list(pre.tokens)
-            if step < steps:
-                state, res = engine.generate(state)
-                for slot in out:
-                    assert slot not in stopped or (res.tokens[slot] == [] and not res.done[slot])
-                    out[slot] += res.tokens[slot]
-                    if res.done[slot] and slot not in stopped:
-                        state = engine.free(state, slot, stopped=True)
-                        stopped.add(slot)
-                free = [s for s in range(engine.num_slots) if s not in out]
-                assert all(res.tokens[s] == [] and not res.done[s] for s in free)
-        runs.append(out)
-    assert all(r == runs[-1] for r in runs)
-    return runs[-1]
-
-
 def test_mock_engine_echoes_the_last_user_turn():
     eng = E.MockEngine(2)
     prompt = [2] + TOK.encode("<user> one <assistant> x <user> two three <assistant>")
     assert TOK.decode(eng.reply_for(prompt)) == "two three"
-    out = _run(eng, [(1, prompt, RequestParams(50), 0)], steps=12, both_paths=True)
+    out = run_engine(eng, [(1, prompt, RequestParams(50), 0)], steps=12, both_paths=True)
     assert out[1] == eng.reply_for(prompt)  # 9 bytes + EOS, one per step (first from prefill)
 
 
@@ -73,7 +38,7 @@ def test_ar_engine_matches_the_sampler_per_request(steps_per_call):
     jobs = [(0, PROMPTS[0], RequestParams(n, 1.0, seed=11), 0),
             (2, PROMPTS[1], RequestParams(n, 1.0, top_p=0.9, seed=5), 2),
             (1, PROMPTS[2], RequestParams(n, 1.0, seed=7), 3)]  # joins between steps
-    out = _run(eng, jobs, steps=n + 4, both_paths=True)
+    out = run_engine(eng, jobs, steps=n + 4, both_paths=True)
     assert all(len(toks) >= n for toks in out.values())
     for slot, prompt, p, at in jobs:
         arr, lens = ar.pad_prompts([prompt], 0)
@@ -99,7 +64,7 @@ def test_speculative_engine_matches_the_sampler_per_request(rule, proposer, step
                               steps_per_call=steps_per_call, ngram_table=table)
     jobs = [(0, PROMPTS[0], RequestParams(40, 1.0, seed=3), 0),
             (1, PROMPTS[2], RequestParams(40, 1.0, top_p=0.8, seed=4), 1)]  # top-p joins a round later
-    out = _run(eng, jobs, steps=rounds + 1, both_paths=True)
+    out = run_engine(eng, jobs, steps=rounds + 1, both_paths=True)
     for slot, prompt, p, at in jobs:
         arr, lens = ar.pad_prompts([prompt], 0)
         settings = spec.SpecSettings(k=k, rule=rule, proposer=proposer, max_new_tokens=200, eos_id=TOK.eos_id,
@@ -120,7 +85,7 @@ def test_several_steps_per_call_stop_a_slot_inside_the_call():
     context end, and reports done in that call; its tokens are the sampler's."""
     lm = tiny_lm("ar", max_seq_len=32)
     params = RequestParams(20, 1.0, seed=4)
-    ref = _run(E.AREngine(lm, 2), [(0, PROMPTS[1], params, 0)], steps=6)[0]
+    ref = run_engine(E.AREngine(lm, 2), [(0, PROMPTS[1], params, 0)], steps=6)[0]
     i = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])  # a token not produced before
     eng = E.AREngine(lm, 2, steps_per_call=8)
     eng.stop_ids = (*eng.stop_ids, ref[i])  # read when the step is traced (first generate)
@@ -172,7 +137,7 @@ def test_block_diffusion_engine_matches_the_decoder():
     d = lm.model_cfg.block_size
     # sampled tokens (a traced temperature per slot); the second request joins a step later
     jobs = [(1, PROMPTS[2], RequestParams(64, 1.0, seed=9), 0), (0, PROMPTS[1], RequestParams(64, 1.0, seed=2), 1)]
-    out = _run(eng, jobs, steps=4)
+    out = run_engine(eng, jobs, steps=4)
     settings = decode_settings(lm, max_blocks=4, threshold=0.5, temperature=1.0)
     for slot, prompt, p, at in jobs:
         arr, plen = bdd.pad_prompts([prompt], 0, d)
@@ -189,8 +154,8 @@ def test_relf_engine_holds_the_prompt_and_is_batch_independent():
     lm = tiny_lm("relf")
     eng = E.ReLFEngine(lm, 3, method=Flow(nfe=4))
     p = RequestParams(64, seed=1)
-    alone = _run(eng, [(0, PROMPTS[0], p, 0)], steps=1)[0]
-    crowded = _run(eng, [(2, PROMPTS[0], p, 0), (0, PROMPTS[1], RequestParams(64, seed=2), 0)], steps=1)[2]
+    alone = run_engine(eng, [(0, PROMPTS[0], p, 0)], steps=1)[0]
+    crowded = run_engine(eng, [(2, PROMPTS[0], p, 0), (0, PROMPTS[1], RequestParams(64, seed=2), 0)], steps=1)[2]
     assert alone == crowded and len(alone) > 0
     assert all(t not in (TOK.pad_id, TOK.bos_id) for t in alone)
     # the sampler itself lands the held positions on the prompt's tokens
@@ -210,7 +175,7 @@ def test_relf_engine_holds_a_clean_prompt_for_a_prompt_trained_model():
     lm = tiny_lm("relf", flow_prompt_input=True)
     eng = E.ReLFEngine(lm, 2, method=Flow(nfe=3))
     assert eng.flow_settings.prompt == "clean"
-    out = _run(eng, [(1, PROMPTS[0], RequestParams(64, seed=3), 0)], steps=1)[1]
+    out = run_engine(eng, [(1, PROMPTS[0], RequestParams(64, seed=3), 0)], steps=1)[1]
     assert len(out) > 0 and all(t not in (TOK.pad_id, TOK.bos_id) for t in out)
     assert E.ReLFEngine(tiny_lm("relf"), 1, method=Flow(nfe=3)).flow_settings.prompt == "renoise"
 
@@ -240,8 +205,8 @@ def test_a_smaller_max_context_shrinks_the_cache_not_the_tokens():
         assert small.max_context == 40 and full.max_context == 64
         cache_lengths = {x.shape[-2] for x in jax.tree.leaves(small.init_state().slots.state) if x.ndim == 5}
         assert cache_lengths == {40}, cache_lengths
-        want = _run(full, [(1, PROMPTS[0], params, 0)], steps=3)[1]
-        assert _run(small, [(1, PROMPTS[0], params, 0)], steps=3)[1] == want and len(want) > 3
+        want = run_engine(full, [(1, PROMPTS[0], params, 0)], steps=3)[1]
+        assert run_engine(small, [(1, PROMPTS[0], params, 0)], steps=3)[1] == want and len(want) > 3
         with pytest.raises(UserError, match="context"):
             small.check_request(len(PROMPTS[0]), 40)
         for bad in (1, 65, 2.5):
@@ -316,7 +281,7 @@ def test_few_busy_slots_step_alone_with_the_same_tokens():
         outs = []
         for compact in (True, False):  # one engine (its prefill compiled once), stepping both ways
             eng.compact = compact
-            outs.append(_run(eng, jobs, steps=6))
+            outs.append(run_engine(eng, jobs, steps=6))
         assert outs[0] == outs[1] and all(len(t) > 1 for t in outs[0].values())
 
 
@@ -440,5 +405,5 @@ def test_a_prompt_past_half_the_context_gets_its_whole_reply(kind):
     prompt = [2] + TOK.encode("<user> " + "abcdefgh" * 4 + " <assistant>")[:40]  # bucket 64 -> capped
     bias = tuple((t, -100.0) for t in eng.stop_ids)  # no stop token: the reply runs to max_tokens
     params = RequestParams(12, 1.0, seed=1, logit_bias=bias)
-    out = _run(eng, [(0, prompt, params, 0)], steps=12)
+    out = run_engine(eng, [(0, prompt, params, 0)], steps=12)
     assert len(out[0]) >= 12

@@ -41,6 +41,7 @@ def test_every_sampler_gives_the_one_device_tokens_on_a_mesh_that_really_splits_
             assert got[name] == one[name], (mesh, name)
             assert sum(map(len, one[name])) > 0, name  # something was sampled
         assert samplers[mesh]["logit_diff"] <= 1e-5, mesh
+        assert samplers[mesh]["recompiles"] == 0, mesh  # the sharded loop is one program per shape
 
     # (data=2, tensor=4): query heads 8 -> 2 and KV heads 4 -> 1 per device, the MLP 64 -> 16
     wq, wk = _param(samplers, "data2_tensor4", "['attn']['wq']"), _param(samplers, "data2_tensor4", "['attn']['wk']")

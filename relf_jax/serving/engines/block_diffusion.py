@@ -16,7 +16,7 @@ from relf_jax.data.tokenizer import turn_stop_ids
 from relf_jax.errors import UserError
 from relf_jax.methods import BlockDiffusion
 from relf_jax.serving.engine_api import Engine, Prefix, RequestParams, StepOutput
-from relf_jax.serving.engines.on_mesh import check_slot_groups, engine_jit, vmap_slots
+from relf_jax.serving.engines.on_mesh import bind_slot_calls, vmap_slots
 from relf_jax.serving.engines.slots import Leaves, bucket_for, free_all_slots, set_slot, stack_slots
 
 
@@ -61,13 +61,7 @@ class BlockDiffusionEngine(Engine):
         self.settings = bdd.decode_settings(lm, max_blocks=1, threshold=0.95 if method.threshold is None
                                             else method.threshold, confidence=method.confidence or "max")
         self._weights = Leaves(lm.params)
-        self.mesh = mesh = lm.mesh  # a model on a mesh: slot groups over data, heads over tensor
-        check_slot_groups(num_slots, mesh)
-        self._jit_step = engine_jit(self._step_all, mesh, slots_out=0, donate_argnums=(1,))
-        self._jit_insert = engine_jit(set_slot, mesh, slots_out="all", donate_argnums=(0,))
-        self._jit_prefill = engine_jit(self._prefix_data, mesh)
-        self._jit_prefill_insert = engine_jit(self._prefill_into, mesh, slots_out="all", donate_argnums=(1,))
-        self._jit_free = engine_jit(_finish_slot, mesh, slots_out="all", donate_argnums=(0,))
+        bind_slot_calls(self, _finish_slot, slots_arg=1)  # on the model's mesh, if it has one
 
     def reserve(self) -> int:
         return self.block_size  # the last block may run past max_tokens

@@ -17,6 +17,7 @@ import jax
 
 from relf_jax.errors import UserError
 from relf_jax.runtime.sharding import LOGICAL_RULES, logical_to_spec, slot_axes, slot_groups
+from relf_jax.serving.engines.slots import set_slot
 
 # a slot's KV cache as the engines stack it: [slots, 1, kv_heads, span, head_dim]
 _SLOT_CACHE_AXES = ("slots", None, "kv_heads", "length", "head_dim")
@@ -56,6 +57,20 @@ def vmap_slots(fn, mesh):
     them (``spmd_axis_name``), so the sharding constraints inside the model keep each group's
     slots on its devices."""
     return jax.vmap(fn, spmd_axis_name=slot_axes(mesh))
+
+
+def bind_slot_calls(engine, free, *, slots_arg: int) -> None:
+    """The jitted calls of an engine whose state is its stacked slots (block diffusion, ReLF), on
+    its model's mesh: ``mesh``, ``_jit_step`` (``_step_all(weights, slots)``), ``_jit_insert``,
+    ``_jit_prefill`` (``_prefix_data``), ``_jit_prefill_insert`` (``_prefill_into``, whose slots
+    are argument `slots_arg`) and ``_jit_free`` (``free(slots, slot)``)."""
+    engine.mesh = mesh = engine.lm.mesh
+    check_slot_groups(engine.num_slots, mesh)
+    engine._jit_step = engine_jit(engine._step_all, mesh, slots_out=0, donate_argnums=(1,))
+    engine._jit_insert = engine_jit(set_slot, mesh, slots_out="all", donate_argnums=(0,))
+    engine._jit_prefill = engine_jit(engine._prefix_data, mesh)
+    engine._jit_prefill_insert = engine_jit(engine._prefill_into, mesh, slots_out="all", donate_argnums=(slots_arg,))
+    engine._jit_free = engine_jit(free, mesh, slots_out="all", donate_argnums=(0,))
 
 
 def engine_jit(fn, mesh, *, slots_out=None, **jit_kw):

@@ -15,7 +15,7 @@ from relf_jax.data.tokenizer import turn_stop_ids
 from relf_jax.errors import UserError
 from relf_jax.methods import Flow
 from relf_jax.serving.engine_api import Engine, Prefix, RequestParams, StepOutput
-from relf_jax.serving.engines.on_mesh import check_slot_groups, engine_jit, vmap_slots
+from relf_jax.serving.engines.on_mesh import bind_slot_calls, vmap_slots
 from relf_jax.serving.engines.slots import Leaves, set_slot, stack_slots
 
 
@@ -65,13 +65,7 @@ class ReLFEngine(Engine):
         self.length_counts = None if counts is None else np.pad(counts, (0, max(0, self.length + 1 - len(counts))))[
             :self.length + 1]
         self._weights = Leaves(lm.params)
-        self.mesh = mesh = lm.mesh  # a model on a mesh: slot groups over data, heads over tensor
-        check_slot_groups(num_slots, mesh)
-        self._jit_step = engine_jit(self._step_all, mesh, slots_out=0, donate_argnums=(1,))
-        self._jit_insert = engine_jit(set_slot, mesh, slots_out="all", donate_argnums=(0,))
-        self._jit_prefill = engine_jit(self._prefix_data, mesh)
-        self._jit_prefill_insert = engine_jit(self._prefill_into, mesh, slots_out="all", donate_argnums=(0,))
-        self._jit_free = engine_jit(_release_slot, mesh, slots_out="all", donate_argnums=(0,))
+        bind_slot_calls(self, _release_slot, slots_arg=0)  # on the model's mesh, if it has one
 
     def init_state(self):
         one = self.prefill([self.tokenizer.bos_id], RequestParams(1, 0.0)).data
