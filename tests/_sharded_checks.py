@@ -37,32 +37,38 @@ from tests._serving import tiny_lm  # noqa: E402
 # (data, fsdp, tensor); the tiny models have 8 query heads, 4 KV heads and an MLP of 64, so
 # tensor=8 splits the query heads and the MLP and replicates the KV heads (4 do not split 8 ways)
 MESHES = {"data8": (8, 1, 1), "fsdp8": (1, 8, 1), "data2_tensor4": (2, 1, 4), "tensor8": (1, 1, 8)}
-HEADS = {"num_heads": 8, "num_kv_heads": 4}
+# the speculative rule run on each mesh (both on one device): the rules differ only in the accept
+# test on logits the loop has already gathered, and each is a program of its own to compile
+SPEC_RULES = {"data8": "standard", "fsdp8": "nsd", "data2_tensor4": "standard", "tensor8": "nsd"}
+HEADS = {"num_heads": 8, "num_kv_heads": 4, "num_layers": 1}  # one layer: half the compile time
 PROMPTS = ["<user> hello there <assistant>", "<user> hi <assistant>", "<user> what is the weather? <assistant>",
            "<user> tell me a story <assistant>"] * 2
 
 
 def models():
     target = tiny_lm("ar", **HEADS)
-    draft = dataclasses.replace(tiny_lm("ar", seed=1, num_layers=1, **HEADS), tokenizer=target.tokenizer)
+    draft = dataclasses.replace(tiny_lm("ar", seed=1, **HEADS), tokenizer=target.tokenizer)
     return {"ar": target, "draft": draft, "bd": tiny_lm("bd", max_seq_len=64, **HEADS),
-            "relf": tiny_lm("relf", **HEADS)}
+            "relf": tiny_lm("relf", **{**HEADS, "num_layers": 2})}  # a blind-spot ReLF needs two
 
 
 def placed(lms, mesh):
     return {k: v if mesh is None else v.on_mesh(mesh) for k, v in lms.items()}
 
 
-def sampler_tokens(m) -> dict:
-    """Every sampler's tokens through `relf_jax.api.sample` (greedy, and seeded at T = 1)."""
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=10, batch_size=8, seed=3)
-    hot = dataclasses.replace(greedy, temperature=1.0)
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, batch_size=8, seed=3)
+
+
+def sampler_tokens(m, rules=("standard", "nsd")) -> dict:
+    """Every sampler's tokens through `relf_jax.api.sample` (greedy, and seeded at T = 1); the
+    speculative loop with each of `rules` (each rule is a program of its own to compile)."""
+    greedy, hot = GREEDY, dataclasses.replace(GREEDY, temperature=1.0)
     draft = DraftModel(m["draft"])
     out = {
         "ar_t0": api.sample(m["ar"], PROMPTS, greedy, Autoregressive()),
         "ar_t1": api.sample(m["ar"], PROMPTS, hot, Autoregressive()),
-        "standard_t0": api.sample(m["ar"], PROMPTS, greedy, Speculative(k=3, proposer=draft)),
-        "nsd_t0": api.sample(m["ar"], PROMPTS, greedy, Speculative(rule="nsd", k=3, proposer=draft)),
+        **{f"{rule}_t0": api.sample(m["ar"], PROMPTS, greedy, Speculative(rule=rule, k=3, proposer=draft))
+           for rule in rules},
         "relf": api.sample(m["relf"], None, dataclasses.replace(hot, n=8), Flow(nfe=4)),
         "bd_t0": api.sample(m["bd"], PROMPTS, dataclasses.replace(greedy, max_new_tokens=16),
                             BlockDiffusion(threshold=0.5)),
@@ -90,12 +96,19 @@ def recompiles(m) -> int:
 
 
 def layouts(m) -> dict:
-    """The parameters' and an AR decode state's KV cache's partition specs and shard shapes."""
-    params = {r["path"]: r for r in describe_shardings(m["ar"].params)}
-    arr, lens = ar.pad_prompts([[2, 5, 6, 7]] * 8, 0)
-    with mesh_scope(m["ar"].mesh):
-        state = ar.generate(m["ar"].graphdef, m["ar"].params, arr, lens, jax.random.key(0),
-                            ar.TracedSampling.make(1.0, 0, 1.0), ar.DecodeSettings(8, 1))
+    """The parameters' and an AR decode state's KV cache's partition specs and shard shapes (the
+    decode of `sampler_tokens`' greedy AR batch, as `relf_jax.sampling.recipes` runs it: no new
+    program to compile)."""
+    from relf_jax.sampling.batch import prompt_ids
+    from relf_jax.sampling.recipes import ar_batch
+
+    lm = m["ar"]
+    params = {r["path"]: r for r in describe_shardings(lm.params)}
+    ids = prompt_ids(lm.tokenizer, PROMPTS, 0)
+    bucket = min(ar.prompt_bucket(max(map(len, ids))), lm.model_cfg.max_seq_len - GREEDY.max_new_tokens)
+    arr, lens = ar.pad_prompts(ids, lm.tokenizer.pad_id, bucket)
+    with mesh_scope(lm.mesh):
+        _, _, state = ar_batch(lm, GREEDY.sample_config(lm.cfg.sample))(arr, lens, jax.random.key(0))
     return {"params": params, "kv_cache": describe_shardings(state.cache)[0],
             "decode_tokens": describe_shardings(state.tokens)[0]}
 
@@ -106,8 +119,9 @@ def samplers() -> dict:
     ref = logits(lms["ar"])
     for name, shape in MESHES.items():
         m = placed(lms, make_mesh(*shape))
-        out[name] = {"tokens": sampler_tokens(m), "logit_diff": float(np.abs(logits(m["ar"]) - ref).max()),
-                     "recompiles": recompiles(m), **layouts(m)}
+        out[name] = {"tokens": sampler_tokens(m, (SPEC_RULES[name],)),
+                     "logit_diff": float(np.abs(logits(m["ar"]) - ref).max()), "recompiles": recompiles(m),
+                     **layouts(m)}
     return out
 
 
@@ -141,12 +155,11 @@ def engine_tokens(m, slots: int, rules: tuple, compact: bool = False) -> dict:
 
 def engines() -> dict:
     lms = models()
-    # the speculative engine with each rule on two meshes (both rules on one device)
-    rules = {"data8": "standard", "fsdp8": "nsd", "data2_tensor4": "standard", "tensor8": "nsd"}
-    out = {"one": engine_tokens(lms, 8, ("standard", "nsd"), compact=True)}
+    out = {"one": engine_tokens(lms, 8, ("standard", "nsd"))}  # subset stepping gives these tokens too
     for name, shape in MESHES.items():
         # (data=2, tensor=4) also steps subsets of the slots, in multiples of its 2 slot groups
-        out[name] = engine_tokens(placed(lms, make_mesh(*shape)), 8, (rules[name],), compact=name == "data2_tensor4")
+        out[name] = engine_tokens(placed(lms, make_mesh(*shape)), 8, (SPEC_RULES[name],),
+                                  compact=name == "data2_tensor4")
     return out
 
 

@@ -1,9 +1,11 @@
 """Sampling and serving split over a device mesh give the tokens one device gives.
 
 On 8 simulated CPU devices (a fresh process, `tests/_sharded_checks.py`), meshes (data=8),
-(fsdp=8), (data=2, tensor=4) and (tensor=8): the AR, speculative (standard and NSD), ReLF and
-block-diffusion samplers and every serving engine against the same models on one device, greedy
-and seeded at T = 1; the parameters and KV caches are checked to be really split.
+(fsdp=8), (data=2, tensor=4) and (tensor=8): the AR, speculative, ReLF and block-diffusion
+samplers and every serving engine against the same models on one device, greedy and seeded at
+T = 1; the parameters and KV caches are checked to be really split. The speculative rule
+alternates over the meshes (standard on two, NSD on two, both on one device): each rule is a
+program of its own to compile, and they differ only in the accept test on gathered logits.
 """
 
 import json
@@ -36,12 +38,13 @@ def test_every_sampler_gives_the_one_device_tokens_on_a_mesh_that_really_splits_
     assert set(one) == {"ar_t0", "ar_t1", "standard_t0", "nsd_t0", "relf", "bd_t0", "bd_t1"}
     for mesh in MESHES:
         got = samplers[mesh]["tokens"]
-        assert set(got) == set(one)
-        for name in one:
+        assert set(got) == set(one) - {"nsd_t0" if "standard_t0" in got else "standard_t0"}
+        for name in got:
             assert got[name] == one[name], (mesh, name)
             assert sum(map(len, one[name])) > 0, name  # something was sampled
         assert samplers[mesh]["logit_diff"] <= 1e-5, mesh
         assert samplers[mesh]["recompiles"] == 0, mesh  # the sharded loop is one program per shape
+    assert {"standard_t0", "nsd_t0"} <= {name for mesh in MESHES for name in samplers[mesh]["tokens"]}
 
     # (data=2, tensor=4): query heads 8 -> 2 and KV heads 4 -> 1 per device, the MLP 64 -> 16
     wq, wk = _param(samplers, "data2_tensor4", "['attn']['wq']"), _param(samplers, "data2_tensor4", "['attn']['wk']")
