@@ -171,8 +171,7 @@ def evaluate(model: Union[str, LoadedModel], judge: Any = "exact", params: Optio
     if family_of(method) == "ar":
         out["tau"] = s.tau
         if validation:
-            with mesh_scope(lm.mesh):
-                out["validation_loss"] = validation_loss(lm)
+            out["validation_loss"] = validation_loss(lm)  # on the model's mesh, if it has one
     if isinstance(method, Flow):
         out["nfe"] = method.nfe or lm.cfg.flow.nfe
     out["step"] = lm.step

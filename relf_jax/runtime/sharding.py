@@ -271,7 +271,7 @@ def put_global(batch: dict, mesh: Mesh) -> dict:
 
 def describe_shardings(tree: Any) -> list[dict]:
     """Per array of `tree`: its PartitionSpec (as text), global shape and the shapes of its
-    per-device shards, for checks and `relf-jax info`."""
+    shards on this process's devices (what tests read to see that a layout really splits)."""
     out = []
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if not isinstance(x, jax.Array):
