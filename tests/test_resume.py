@@ -15,12 +15,12 @@ import pytest
 from tests._checkpoints import committed_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 80
+STEPS = 40  # the 2-host test in test_multiprocess.py kills and resumes a 2-process run too
 
 
 def _cmd(workdir):
     return [sys.executable, "-m", "experiments.launch", "train", "--preset", "tiny", "--workdir", workdir,
-            "data.source=chatterbot", f"train.steps={STEPS}", "train.checkpoint_every=10", "train.eval_every=40",
+            "data.source=chatterbot", f"train.steps={STEPS}", "train.checkpoint_every=10", "train.eval_every=20",
             "train.progress=false", "train.keep_checkpoints=10"]
 
 
