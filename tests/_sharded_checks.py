@@ -1,15 +1,15 @@
 """Samplers and serving engines on 8 simulated devices, split over four meshes, against one device.
 
-Run as ``python -m tests._sharded_checks samplers|engines`` (tests/test_sharded_sampling.py
-does, in a fresh process: the device count is fixed when JAX starts). Prints one JSON object:
-per mesh the tokens of every sampler / engine, the largest logit difference, and how the
-parameters and KV caches are laid out; the test compares them with the one-device run.
+Run as ``python -m tests._sharded_checks`` (tests/test_sharded_sampling.py does, in a fresh
+process: the device count is fixed when JAX starts; one process for both, so JAX starts and the
+models are built once). Prints one JSON object, ``{"samplers": ..., "engines": ...}``: per mesh the
+tokens of every sampler / engine, the largest logit difference, and how the parameters and KV
+caches are laid out; the test compares them with the one-device run.
 """
 
 import dataclasses
 import json
 import os
-import sys
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
@@ -113,8 +113,7 @@ def layouts(m) -> dict:
             "decode_tokens": describe_shardings(state.tokens)[0]}
 
 
-def samplers() -> dict:
-    lms = models()
+def samplers(lms) -> dict:
     out = {"one": {"tokens": sampler_tokens(lms)}}
     ref = logits(lms["ar"])
     for name, shape in MESHES.items():
@@ -153,8 +152,7 @@ def engine_tokens(m, slots: int, rules: tuple, compact: bool = False) -> dict:
     return out
 
 
-def engines() -> dict:
-    lms = models()
+def engines(lms) -> dict:
     out = {"one": engine_tokens(lms, 8, ("standard", "nsd"))}  # subset stepping gives these tokens too
     for name, shape in MESHES.items():
         # (data=2, tensor=4) also steps subsets of the slots, in multiples of its 2 slot groups
@@ -165,4 +163,5 @@ def engines() -> dict:
 
 if __name__ == "__main__":
     assert jax.device_count() == 8, jax.devices()
-    print(json.dumps({"samplers": samplers, "engines": engines}[sys.argv[1]]()))
+    lms = models()
+    print(json.dumps({"samplers": samplers(lms), "engines": engines(lms)}))
