@@ -13,3 +13,43 @@ def test_forward_costs_reports_both_batches(tiny_model, tiny_model_cfg):
     for row in out.values():
         assert row["one_token_ms"] > 0 and row["4_tokens_ms"] > 0
         assert abs(row["ratio"] - row["4_tokens_ms"] / row["one_token_ms"]) < 1e-9
+
+
+def test_round_profile_splits_a_round_into_its_parts():
+    from relf_jax.methods import DraftModel, Speculative
+    from relf_jax.speculative.cost import expected_speedup, round_profile
+    from tests._serving import tiny_lm
+
+    lm = tiny_lm(num_layers=1)
+    out = round_profile(lm, Speculative(rule="nsd", k=3, proposer=DraftModel(lm)), draft=lm, batch=2, context=8,
+                        reps=1, loops=2)
+    assert out["k"] == 3 and out["batch"] == 2
+    for name in ("propose_ms", "target_forward_ms", "round_ms", "one_token_ms"):
+        assert 0 < out[name] < 1e5, (name, out[name])
+    parts = out["propose_ms"] + out["target_forward_ms"] + out["verify_ms"] + out["bookkeeping_ms"]
+    assert abs(parts - out["round_ms"]) < 1e-6
+    # tau tokens per round over (K drafts + the K + 1-token forward), in one-token forwards
+    assert expected_speedup(3.0, propose_ms=1.0, target_forward_ms=1.0, one_token_ms=1.0) == 1.5
+    assert expected_speedup(2.0, propose_ms=0.0, target_forward_ms=1.0, one_token_ms=1.0) == 2.0
+
+
+def test_cost_model_rows_name_the_gap_between_measured_and_predicted():
+    from experiments.bench.spec_cost import predictions
+
+    rows = [{"method": "ar", "rule": "none", "proposer": "-", "batch": 1, "temperature": 1.0, "k": None,
+             "tokens_per_s": 100.0, "tau": 1.0},
+            {"method": "nsd@0.9", "rule": "nsd", "proposer": "draft", "batch": 1, "temperature": 1.0, "k": 4,
+             "tokens_per_s": 150.0, "tau": 3.0},
+            {"method": "nsd@0.9", "rule": "nsd", "proposer": "draft", "batch": 1, "temperature": 1.0, "k": 2,
+             "tokens_per_s": 120.0, "tau": 2.0},  # another K: no profile of its round
+            {"method": "nsd@0.9", "rule": "nsd", "proposer": "prompt_lookup", "batch": 1, "temperature": 1.0,
+             "k": 4, "tokens_per_s": 90.0, "tau": 1.5}]  # proposer not profiled
+    prof = {"propose_ms": 2.0, "target_forward_ms": 10.0, "verify_ms": 1.0, "bookkeeping_ms": 0.5,
+            "round_ms": 13.5, "one_token_ms": 8.0}
+    (p,) = predictions(rows, {"draft_b1": prof}, k=4)
+    assert p["measured_speedup"] == 1.5 and p["predicted_speedup"] == 3.0 * 8.0 / 12.0
+    assert p["ar_step_ms"] == 10.0 and p["ar_overhead_ms"] == 2.0  # 1 / 100 tokens/s, beyond the 8 ms forward
+    assert p["round_measured_ms"] == 20.0 and p["outside_round_ms"] == 6.5  # 3 tokens / 150 tokens/s
+    # the measured speedup is tau x AR step / measured round: the named parts add up
+    assert abs(p["measured_speedup"] - p["tau"] * p["ar_step_ms"] / p["round_measured_ms"]) < 1e-12
+    assert p["measured_over_predicted"] == 1.5 / 2.0

@@ -1,8 +1,11 @@
 """`relf-jax bench spec`: AR vs speculative decoding (standard / NSD / greedy rules, draft-model,
-prompt-lookup and corpus n-gram proposers) at batch 1 and 8, temperature 1.0 and 0.7: tokens/s, tau
-(tokens per target forward) and, for quality, gen PPL (exact judge, replies scored given their
-prompts) and entropy; plus the target's forward cost over K + 1 tokens relative to one token
-(`target_forward_cost`), which decides whether speculation can pay on this hardware.
+prompt-lookup and corpus n-gram proposers) at batch 1 and 8, temperature 1.0, 0.7 and 0 (the last
+two not with --quick), K = 4 and, at batch 1 and T = 1, K = 2 and 6: tokens/s, tau (tokens per target
+forward) and, for quality, gen PPL (exact judge, replies scored given their prompts) and entropy;
+plus the target's forward cost over K + 1 tokens relative to one token (`target_forward_cost`),
+which decides whether speculation can pay on this hardware, and the cost model
+(`experiments.bench.spec_cost`): where a round spends its time, the predicted against the measured
+speedups, and the target's memory regime.
 
 Every row of a benchmark is measured in the same process, one after the other, on the same
 prompts, so ratios between rows are meaningful on a noisy machine.
@@ -16,6 +19,7 @@ import os
 import time
 from collections.abc import Sequence
 
+from experiments.bench import spec_cost
 from experiments.bench.common import ensure_target_and_draft, find_row, held_out_prompts, reply_quality
 from relf_jax.io import write_json
 from relf_jax.methods import Autoregressive, Speculative, parse_proposer
@@ -24,7 +28,7 @@ from relf_jax.speculative.cost import forward_costs
 
 def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = ()) -> dict:
     from relf_jax.eval.evaluate import exact_judge
-    from relf_jax.speculative.recipes import sample
+    from relf_jax.speculative.recipes import proposer_inputs, sample
 
     preset = "tiny" if quick else "cpu"
     workdir = workdir or os.path.join("runs", f"bench_spec_{preset}")
@@ -34,53 +38,75 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
     n_prompts = 8 if quick else 16
     prompts = held_out_prompts(cfg, n_prompts)
     k = 4
-    variants = [("ar", "none", "-", None)]
+    variants = [("ar", "none", "-", None, None)]
     for proposer in ("draft", "prompt_lookup", "corpus_ngram"):
-        variants += [("speculative", "standard", proposer, None), ("speculative", "greedy", proposer, None)]
+        variants += [("speculative", "standard", proposer, None, k), ("speculative", "greedy", proposer, None, k)]
         for nsd in ((0.8, 0.9, 0.95) if proposer == "draft" else (0.9,)):
-            variants.append(("speculative", "nsd", proposer, nsd))
+            variants.append(("speculative", "nsd", proposer, nsd, k))
+    # K swept at batch 1, T = 1: the draft model and the n-gram table, both rules
+    swept = [("speculative", rule, proposer, 0.9 if rule == "nsd" else None, other)
+             for other in (2, 6) for proposer in ("draft", "corpus_ngram") for rule in ("standard", "nsd")]
+    table = None
     rows = []
     t0 = time.perf_counter()
     for batch in (1, 8):
-        for temperature in (1.0, 0.7):
+        for temperature in ((1.0,) if quick else (1.0, 0.7, 0.0)):
             sc = dataclasses.replace(cfg.sample, batch_size=batch, max_new_tokens=max_new, temperature=temperature,
                                      top_k=0, top_p=1.0, seed=0)
-            for method, rule, proposer, nsd in variants:
+            for method, rule, proposer, nsd, kk in variants + (swept if (batch, temperature) == (1, 1.0) else []):
                 chosen = Autoregressive() if rule == "none" else Speculative(
-                    rule=rule, k=k, nsd_top_p=nsd or 0.9, proposer=parse_proposer(proposer, draft=draft))
-                s = sample(lm, prompts=prompts, sample_cfg=sc, method=chosen)
+                    rule=rule, k=kk, nsd_top_p=nsd or 0.9, proposer=parse_proposer(proposer, draft=draft))
+                if proposer == "corpus_ngram" and table is None:
+                    table = proposer_inputs(lm, chosen)[1]  # built once, for every row and the profile
+                s = sample(lm, prompts=prompts, sample_cfg=sc, method=chosen, ngram_table=table)
                 q = reply_quality(judge, prompts, s.texts, s.complete)
                 q = {"gen_ppl": q["gen_ppl"], "entropy": q["entropy"]}
                 row = {"method": method if rule == "none" else f"{rule}" + (f"@{nsd}" if nsd else ""),
                        "rule": rule, "proposer": proposer, "nsd_top_p": nsd, "temperature": temperature,
-                       "batch": batch, "k": k if rule != "none" else None, "tokens_per_s": s.tokens_per_s,
+                       "batch": batch, "k": kk, "tokens_per_s": s.tokens_per_s,
                        "tau": s.tau, **q}
                 rows.append(row)
-                print(f"[bench spec] b={batch} T={temperature} {row['method']:>12} {proposer:>13}: "
+                print(f"[bench spec] b={batch} T={temperature} k={kk or '-'} {row['method']:>12} {proposer:>13}: "
                       f"{s.tokens_per_s:8.1f} tok/s  tau {s.tau:4.2f}  gen PPL {q['gen_ppl']:7.2f}  "
                       f"entropy {q['entropy']:.2f}", flush=True)
-    report = {"rows": rows, "ratios": _spec_ratios(rows), "preset": preset, "k": k, "max_new_tokens": max_new,
-              "num_prompts": n_prompts, "wall_s": time.perf_counter() - t0,
-              "draft_cost_ratio": _cost_ratio(lm, draft),
-              # verification cost: K + 1 tokens in one target forward vs one token
-              "target_forward_cost": forward_costs(lm, k)}
+    wall = time.perf_counter() - t0
+    # verification cost: K + 1 tokens in one target forward vs one token
+    costs = forward_costs(lm, k)
+    profs = spec_cost.profiles(lm, draft, table, k=k)
+    bandwidth = spec_cost.matvec_bandwidth()
+    preds = spec_cost.predictions(rows, profs, k)
+    report = {"rows": rows, "ratios": _spec_ratios(rows, (1.0,) if quick else (1.0, 0.7, 0.0), k),
+              "preset": preset, "k": k, "max_new_tokens": max_new, "num_prompts": n_prompts, "wall_s": wall,
+              "draft_cost_ratio": _cost_ratio(lm, draft), "target_forward_cost": costs,
+              "round_profile": profs, "cost_model": preds, "matvec": bandwidth,
+              "regime": spec_cost.regime(lm, [r for r in rows if r["rule"] == "none"], costs, bandwidth),
+              # past the caches: random-weight wide shapes' K + 1-token cost (not with --quick)
+              "wide_probe": [] if quick else spec_cost.wide_probe(k)}
     write_json(out, report)
     print(json.dumps(report["ratios"], indent=2))
+    for p in preds:
+        print(f"[bench spec] cost model b={p['batch']} T={p['temperature']} {p['method']:>12} {p['proposer']:>13}: "
+              f"measured x{p['measured_speedup']:.2f}  predicted x{p['predicted_speedup']:.2f}  (AR step "
+              f"{p['ar_step_ms']:.2f} ms, {p['ar_overhead_ms']:.2f} beyond its forward; round "
+              f"{p['round_measured_ms']:.2f} ms: verify {p['verify_ms']:.2f}, bookkeeping {p['bookkeeping_ms']:.2f}, "
+              f"outside the round "
+              f"{p['outside_round_ms']:.2f})")
+    print(json.dumps(report["regime"], indent=2))
     return report
 
 
-def _spec_ratios(rows) -> dict:
+def _spec_ratios(rows, temperatures=(1.0, 0.7), k: int = 4) -> dict:
     out = {}
     for batch in (1, 8):
-        for temperature in (1.0, 0.7):
+        for temperature in temperatures:
             base = dict(batch=batch, temperature=temperature)
             ar_row = find_row(rows, rule="none", **base)
-            std = find_row(rows, rule="standard", proposer="draft", **base)
-            nsd = find_row(rows, rule="nsd", proposer="draft", nsd_top_p=0.9, **base)
+            std = find_row(rows, rule="standard", proposer="draft", k=k, **base)
+            nsd = find_row(rows, rule="nsd", proposer="draft", nsd_top_p=0.9, k=k, **base)
             key = f"b{batch}_T{temperature}"
             ngram = {}
             for rule in ("standard", "nsd"):
-                r = find_row(rows, rule=rule, proposer="corpus_ngram", **base)
+                r = find_row(rows, rule=rule, proposer="corpus_ngram", k=k, **base)
                 if r is not None:
                     ngram[f"ngram_{rule}_over_ar_tokens_per_s"] = r["tokens_per_s"] / ar_row["tokens_per_s"]
                     ngram[f"ngram_{rule}_gen_ppl_over_ar"] = r["gen_ppl"] / ar_row["gen_ppl"]

@@ -56,3 +56,109 @@ def forward_costs(lm, k: int, batches: Sequence[int] = (1, 8), context: int = 64
         out[f"b{b}"] = {"one_token_ms": ms[1], f"{k + 1}_tokens_ms": ms[k + 1],
                         "ratio": ms[k + 1] / ms[1]}
     return out
+
+
+def _ms_per_loop(fn, args, loops: int, reps: int) -> float:
+    """Median ms of one of the `loops` iterations inside `fn(*args)` (compiled first)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times)) / loops
+
+
+def _nudge(state, x):
+    """`state` whose tokens depend on `x` (never changing them): the next loop iteration depends on
+    this one, so XLA cannot hoist the work out of the loop."""
+    return state.replace(tokens=state.tokens + (x > 2 ** 30).astype(jnp.int32))
+
+
+def round_profile(lm, method, *, draft=None, table=None, batch: int = 1, context: int = 64, temperature: float = 1.0,
+                  reps: int = 10, loops: int = 16, seed: int = 0) -> dict:
+    """Where one speculative round of `method` (a `relf_jax.methods.Speculative`) spends its time on
+    `lm`, for `batch` rows with `context` tokens before the round. Median ms per round of:
+
+    - ``propose_ms``: the proposer's K drafts (`draft`: the draft model's loaded model; `table`:
+      the corpus n-gram table; neither: prompt lookup);
+    - ``target_forward_ms``: the target's cached forward over the last token and the K drafts
+      (`score`);
+    - ``verify_ms``: the rule on the target's logits (`decide`);
+    - ``round_ms``: the whole round as the decoding loop runs it (`round_scored`), and
+      ``bookkeeping_ms``, the round minus the three parts (committing the tokens, counters; a
+      difference of medians, so it carries their noise);
+    - ``one_token_ms``: a one-token target forward, the unit of AR decoding's cost.
+
+    Each figure is `loops` calls inside one jitted fori_loop, each depending on the last (nothing
+    hoisted, no dispatch) and carrying the KV caches it writes (updated in place), as inside the
+    decoding loop."""
+    from relf_jax.speculative import generate as spec
+    from relf_jax.speculative.state import call_model
+
+    k = method.k
+    settings = spec.SpecSettings.from_method(method, lm.tokenizer, loops * (k + 1) + 8)
+    sp = spec.SpecParams.make(temperature, 1.0, method.nsd_top_p)
+    tg, tp = lm.graphdef, lm.params
+    dg, dp = (draft.graphdef, draft.params) if draft is not None else (None, table)
+    vocab = lm.model_cfg.vocab_size
+    prompts = jnp.asarray(np.random.default_rng(seed).integers(3, vocab, (batch, context)), jnp.int32)
+    lengths = jnp.full((batch,), context, jnp.int32)
+    key = jax.random.key(seed)
+    start = jax.jit(lambda p, l, kk: spec.prefill_scored(tg, tp, dg, dp, p, l, kk, sp, settings)[0])(
+        prompts, lengths, key)
+    proposal = jax.jit(lambda s: spec.propose(tg, tp, dg, dp, s, sp, settings, key)[:3])(start)
+
+    def looped(body):
+        return jax.jit(lambda s: jax.lax.fori_loop(0, loops, body, (s, jnp.float32(0)))[1])
+
+    def proposing(i, carry):
+        s, acc = carry
+        toks, _, _, draft_cache = spec.propose(tg, tp, dg, dp, s, sp, settings, jax.random.fold_in(key, i))
+        x = toks.sum().astype(jnp.float32)
+        return _nudge(s.replace(draft_cache=draft_cache), x), acc + x
+
+    def forward(width: int):
+        def body(i, carry):  # a token of the state, then the drafts: `width` positions
+            s, acc = carry
+            feed = jnp.concatenate([s.tokens[:, :1], proposal[0]], axis=1)[:, :width]
+            positions = (s.lengths - 1)[:, None] + jnp.arange(width)[None, :]
+            logits, cache = call_model(tg, tp, feed, positions, s.target_cache, s.lengths - 1)
+            x = logits[:, -1, 0].sum()
+            return _nudge(s.replace(target_cache=cache), x), acc + x
+        return body
+
+    def scoring(i, carry):  # the forward as the round runs it (and processing, where on)
+        s, acc = carry
+        logits, cache, _ = spec.score(tg, tp, s, sp, settings, proposal[0])
+        x = logits[:, -1, 0].sum()
+        return _nudge(s.replace(target_cache=cache), x), acc + x
+
+    logits = jax.jit(lambda s: spec.score(tg, tp, s, sp, settings, proposal[0])[0])(start)
+
+    def deciding(i, carry):  # the rule alone, on the round's logits
+        s, acc = carry
+        res = spec.decide(logits + acc * 0, proposal[0], proposal[1], proposal[2], jax.random.fold_in(key, i), sp,
+                          settings)
+        return s, acc + res.num_accepted.sum().astype(jnp.float32)
+
+    def rounds(i, carry):
+        s, acc = carry
+        s = spec.round_scored(tg, tp, dg, dp, s, sp, settings)[0]
+        return s, acc + s.lengths.sum().astype(jnp.float32)
+
+    ms = {name: _ms_per_loop(looped(body), (start,), loops, reps) for name, body in (
+        ("propose_ms", proposing), ("target_forward_ms", scoring), ("verify_ms", deciding), ("round_ms", rounds),
+        ("one_token_ms", forward(1)))}
+    ms["bookkeeping_ms"] = ms["round_ms"] - ms["propose_ms"] - ms["target_forward_ms"] - ms["verify_ms"]
+    return {"k": k, "batch": batch, "context": context, **ms}
+
+
+def expected_speedup(tau: float, propose_ms: float, target_forward_ms: float, one_token_ms: float) -> float:
+    """Speculative over AR decoding's tokens/s as the standard cost model predicts it (Leviathan et
+    al. 2023, with the verification forward's measured cost instead of one step): a round commits
+    `tau` tokens (measured tokens per target forward) and costs the K drafts plus the target's
+    forward over K + 1 tokens; an AR token costs one one-token forward. With c = a draft step's
+    cost / a target step's and r = the (K + 1)-token forward's / a one-token forward's,
+    speedup = tau / (K c + r)."""
+    return tau * one_token_ms / (propose_ms + target_forward_ms)

@@ -73,7 +73,7 @@ def sparse_verify(settings: SpecSettings) -> bool:
     return settings.proposer == "corpus_ngram" and not dispatch.runs_verify_kernel(settings.use_kernel, settings.top_k)
 
 
-def _propose(target_graphdef, target_params, draft_graphdef, draft_params, state: SpecState, sp: SpecParams,
+def propose(target_graphdef, target_params, draft_graphdef, draft_params, state: SpecState, sp: SpecParams,
              settings: SpecSettings, key):
     """The round's K draft tokens [B, K] from the settings' proposer: (draft_tokens, draft_logits
     [B, K, V] or None, candidates or None, draft_cache). The corpus n-gram table's drafts come as
@@ -93,19 +93,16 @@ def _propose(target_graphdef, target_params, draft_graphdef, draft_params, state
     return draft_tokens, draft_logits, None, state.draft_cache
 
 
-def _score_and_verify(target_graphdef, target_params, state: SpecState, sp: SpecParams, settings: SpecSettings,
-                      draft_tokens, draft_logits, candidates, key):
-    """The target's one forward over the last committed token and the K drafts, then `verify`
-    (or `verify_sparse` on candidates). Returns (VerifyResult, target_cache, the target's logits
-    as scored (processed: adjusted), the logits verified (processed: log-probs))."""
+def score(target_graphdef, target_params, state: SpecState, sp: SpecParams, settings: SpecSettings, draft_tokens):
+    """The target's one forward over the last committed token and the K drafts. Returns (the
+    logits to verify (processed: log-probs), target_cache, the target's logits as scored
+    (processed: adjusted))."""
     lengths = state.lengths
     last = take(state.tokens, (lengths - 1)[:, None])
     feed = jnp.concatenate([last, draft_tokens], axis=1)  # [B, K+1]
     positions = (lengths - 1)[:, None] + jnp.arange(settings.k + 1)[None, :]
     target_logits, target_cache = call_model(target_graphdef, target_params, feed, positions, state.target_cache,
                                              lengths - 1)
-    rules = {"rule": settings.rule, "temperature": sp.temperature, "top_k": settings.top_k, "top_p": sp.top_p,
-             "nsd_top_p": sp.nsd_top_p}
     scored = target_logits
     if sp.processed:
         # the target's processed distribution at position j counts drafts[:j] as committed
@@ -114,12 +111,27 @@ def _score_and_verify(target_graphdef, target_params, state: SpecState, sp: Spec
                    if pen is not None and pen.tracks else None)
         scored = processors.adjust(target_logits, pen, drafted)
         target_logits = processors.log_probs(scored, *sampling_knobs(sp, settings))
-        # both sides are processed log-probs now: the rule alone (temperature 1, no filters)
+    return target_logits, target_cache, scored
+
+
+def decide(target_logits, draft_tokens, draft_logits, candidates, key, sp: SpecParams, settings: SpecSettings):
+    """The verification rule on `score`'s logits: `verify`, or `verify_sparse` on the n-gram
+    table's candidates (unscattered)."""
+    rules = {"rule": settings.rule, "temperature": sp.temperature, "top_k": settings.top_k, "top_p": sp.top_p,
+             "nsd_top_p": sp.nsd_top_p}
+    if sp.processed:  # both sides are processed log-probs: the rule alone (temperature 1, no filters)
         rules.update(temperature=1.0, top_k=0, top_p=None)
-    if candidates is not None:  # the n-gram table's candidates, unscattered
-        res = verify_sparse(target_logits, *candidates, draft_tokens, key, **rules)
-    else:
-        res = verify(target_logits, draft_logits, draft_tokens, key, use_kernel=settings.use_kernel, **rules)
+    if candidates is not None:
+        return verify_sparse(target_logits, *candidates, draft_tokens, key, **rules)
+    return verify(target_logits, draft_logits, draft_tokens, key, use_kernel=settings.use_kernel, **rules)
+
+
+def score_and_verify(target_graphdef, target_params, state: SpecState, sp: SpecParams, settings: SpecSettings,
+                     draft_tokens, draft_logits, candidates, key):
+    """`score`, then `decide`. Returns (VerifyResult, target_cache, the target's logits as scored
+    (processed: adjusted), the logits verified (processed: log-probs))."""
+    target_logits, target_cache, scored = score(target_graphdef, target_params, state, sp, settings, draft_tokens)
+    res = decide(target_logits, draft_tokens, draft_logits, candidates, key, sp, settings)
     return res, target_cache, scored, target_logits
 
 
@@ -157,9 +169,9 @@ def round_scored(target_graphdef, target_params, draft_graphdef, draft_params, s
     k = settings.k
     key, k_draft, k_verify = jax.random.split(state.key, 3)
     lengths = state.lengths
-    draft_tokens, draft_logits, candidates, draft_cache = _propose(
+    draft_tokens, draft_logits, candidates, draft_cache = propose(
         target_graphdef, target_params, draft_graphdef, draft_params, state, sp, settings, k_draft)
-    res, target_cache, scored, target_logits = _score_and_verify(
+    res, target_cache, scored, target_logits = score_and_verify(
         target_graphdef, target_params, state, sp, settings, draft_tokens, draft_logits, candidates, k_verify)
     n = res.num_accepted
     cand, count, first_eos = _committed(state, res, draft_tokens, settings)

@@ -1,0 +1,157 @@
+"""`bench spec`'s cost model: where a speculative round spends its time on this machine, the
+speedup the standard cost model predicts from each row's measured tau next to the measured one,
+and the memory regime the target decodes in (its one-token step's weight traffic against what a
+lone jitted matrix-vector product streams here).
+
+Measured in the bench's process, after its rows, on the same models; see
+`relf_jax.speculative.cost` for the round profile and the formula.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from experiments.bench.common import find_row
+from relf_jax.methods import Speculative, parse_proposer
+from relf_jax.speculative.cost import expected_speedup, round_profile
+
+# the matrix-vector product whose streaming rate is the bandwidth reference: 128 MiB of float32
+# weights, far past any cache, laid out as the models' dense layers are ([in, out], x @ w)
+MATVEC_SHAPE = (4096, 8192)
+
+
+def matvec_bandwidth(shape=MATVEC_SHAPE, reps: int = 20) -> dict:
+    """GB/s at which one jitted float32 ``x @ w`` ([1, in] x [in, out]) reads its weights (median of
+    `reps`), and what the same product costs for 5 rows (what a K = 4 verification does to each
+    weight) over 1 row: for the models' layout (``w`` [in, out]) and for the weight stored
+    transposed (``w_t @ x.T``, ``w_t`` [out, in]), which XLA:CPU compiles to another kernel."""
+    import jax
+    import jax.numpy as jnp
+
+    w = jnp.asarray(np.random.default_rng(0).standard_normal(shape, np.float32))
+    layouts = {"in_out": (jax.jit(lambda x, w: x @ w), w), "out_in": (jax.jit(lambda x, w: (w @ x.T).T), w.T.copy())}
+    out = {"shape": list(shape)}
+    for name, (f, weights) in layouts.items():
+        for rows in (1, 5):
+            x = jnp.ones((rows, shape[0]), jnp.float32)
+            jax.block_until_ready(f(x, weights))
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(x, weights))
+                times.append(time.perf_counter() - t0)
+            out[f"{name}_{rows}_row_ms"] = 1e3 * float(np.median(times))
+        out[f"{name}_5_rows_over_1"] = out[f"{name}_5_row_ms"] / out[f"{name}_1_row_ms"]
+    out["gb_per_s"] = w.size * 4 / out["in_out_1_row_ms"] / 1e6
+    return out
+
+
+def weight_bytes(lm) -> int:
+    """Bytes of the parameters a decode step reads (all of them: the embedding table is the tied
+    output projection)."""
+    import jax
+
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(lm.params)))
+
+
+def profiles(lm, draft, table, *, k: int, batches=(1, 8), proposers=("draft", "corpus_ngram", "prompt_lookup"),
+             reps: int = 5) -> dict:
+    """`round_profile` of the NSD round for each proposer and batch, keyed ``"<proposer>_b<batch>"``."""
+    out = {}
+    for proposer in proposers:
+        method = Speculative(rule="nsd", k=k, proposer=parse_proposer(proposer, draft=draft))
+        inputs = {"draft": draft} if proposer == "draft" else {"table": table} if proposer == "corpus_ngram" else {}
+        for batch in batches:
+            out[f"{proposer}_b{batch}"] = round_profile(lm, method, batch=batch, reps=reps, **inputs)
+            p = out[f"{proposer}_b{batch}"]
+            print(f"[bench spec] round b={batch} {proposer:>13}: propose {p['propose_ms']:.3f} ms  target "
+                  f"{p['target_forward_ms']:.3f}  verify {p['verify_ms']:.3f}  bookkeeping {p['bookkeeping_ms']:.3f}"
+                  f"  round {p['round_ms']:.3f}  (one-token step {p['one_token_ms']:.3f})", flush=True)
+    return out
+
+
+def predictions(rows: list[dict], profs: dict, k: int) -> list[dict]:
+    """For every speculative row at K = `k` whose proposer and batch were profiled: the measured
+    speedup over AR (same batch and temperature) next to the standard model's prediction from the
+    row's tau (`expected_speedup`: the drafts + the K + 1-token forward, in one-token forwards), and
+    the gap named. Measured per decode step: an AR step (``ar_step_ms`` = batch / AR tokens/s) and a
+    speculative round (``round_measured_ms`` = batch x tau / tokens/s), so measured speedup = tau x
+    ar_step_ms / round_measured_ms exactly; against the profile, ``ar_overhead_ms`` is what an AR step
+    costs beyond its forward (sampling, the loop, prefill and the host, spread over the tokens) and
+    the round's own overheads are the verification rule, the bookkeeping and ``outside_round_ms``
+    (the same loop, prefill and host costs of the speculative decode)."""
+    out = []
+    for r in rows:
+        prof = profs.get(f"{r['proposer']}_b{r['batch']}")
+        if r["rule"] == "none" or r.get("k") != k or prof is None:
+            continue
+        ar = find_row(rows, rule="none", batch=r["batch"], temperature=r["temperature"])
+        ar_step = 1e3 * r["batch"] / ar["tokens_per_s"]
+        round_measured = 1e3 * r["batch"] * r["tau"] / r["tokens_per_s"]
+        out.append({"method": r["method"], "proposer": r["proposer"], "batch": r["batch"],
+                    "temperature": r["temperature"], "tau": r["tau"],
+                    "measured_speedup": r["tokens_per_s"] / ar["tokens_per_s"],
+                    "predicted_speedup": expected_speedup(r["tau"], prof["propose_ms"], prof["target_forward_ms"],
+                                                          prof["one_token_ms"]),
+                    "ar_step_ms": ar_step, "ar_overhead_ms": ar_step - prof["one_token_ms"],
+                    "round_measured_ms": round_measured, "round_profiled_ms": prof["round_ms"],
+                    "verify_ms": prof["verify_ms"], "bookkeeping_ms": prof["bookkeeping_ms"],
+                    "outside_round_ms": round_measured - prof["round_ms"]})
+        out[-1]["measured_over_predicted"] = out[-1]["measured_speedup"] / out[-1]["predicted_speedup"]
+    return out
+
+
+def regime(lm, ar_rows: list[dict], costs: dict, bandwidth: dict) -> dict:
+    """The target's decode regime: its weight bytes, the rate at which its one-token step reads
+    them (in the loop without dispatch, and from the AR rows' batch-1 tokens/s), each over the lone
+    matrix-vector product's rate, and the (K + 1)-token forward's cost over one token's."""
+    nbytes = weight_bytes(lm)
+    one = costs["b1"]["one_token_ms"]
+    ar_b1 = max((r["tokens_per_s"] for r in ar_rows if r["batch"] == 1), default=None)
+    out = {"weight_bytes": nbytes, "matvec_gb_per_s": bandwidth["gb_per_s"],
+           "step_gb_per_s": nbytes / one / 1e6, "step_over_matvec": nbytes / one / 1e6 / bandwidth["gb_per_s"],
+           "forward_cost_ratio_b1": costs["b1"]["ratio"]}
+    if ar_b1:
+        out["ar_decode_gb_per_s"] = nbytes * ar_b1 / 1e9
+        out["ar_decode_over_matvec"] = out["ar_decode_gb_per_s"] / bandwidth["gb_per_s"]
+    return out
+
+
+def best_case(tau: float, costs: dict) -> float:
+    """The speedup a round of `k` drafts at `tau` reaches with free drafts on this target at batch 1
+    (tau over the (K + 1)-token forward's cost): the ceiling the forward cost alone sets."""
+    return tau / costs["b1"]["ratio"]
+
+
+# wide shapes, random weights: whether a model past the caches verifies K + 1 tokens for about the
+# price of one here (what speculative decoding's speedup rests on); (d_model, layers, heads, mlp)
+WIDE_SHAPES = ((1024, 2, 16, 4096), (768, 2, 12, 3072))
+
+
+def wide_probe(k: int, vocab: int = 1024, shapes=WIDE_SHAPES) -> list[dict]:
+    """`forward_costs` at batch 1 of randomly initialised wide AR models (no training needed: the
+    cost does not depend on the weights' values), with their weight bytes and the rate their
+    one-token step reads them."""
+    import types
+
+    from flax import nnx
+
+    from relf_jax.config.schema import ModelConfig
+    from relf_jax.models import build_model
+    from relf_jax.speculative.cost import forward_costs
+
+    out = []
+    for d, layers, heads, mlp in shapes:
+        cfg = ModelConfig(vocab_size=vocab, d_model=d, num_layers=layers, num_heads=heads, num_kv_heads=heads,
+                          mlp_dim=mlp, max_seq_len=256)
+        graphdef, params = nnx.split(build_model(cfg, nnx.Rngs(0)))
+        lm = types.SimpleNamespace(graphdef=graphdef, params=params, model_cfg=cfg)
+        cost = forward_costs(lm, k, batches=(1,), reps=5)["b1"]
+        nbytes = weight_bytes(lm)
+        out.append({"d_model": d, "num_layers": layers, "mlp_dim": mlp, "weight_bytes": nbytes, **cost,
+                    "step_gb_per_s": nbytes / cost["one_token_ms"] / 1e6})
+        print(f"[bench spec] wide d={d} L={layers}: {nbytes / 1e6:.0f} MB, one token {cost['one_token_ms']:.2f} ms "
+              f"({out[-1]['step_gb_per_s']:.1f} GB/s), {k + 1} tokens x{cost['ratio']:.2f}", flush=True)
+    return out
