@@ -1,6 +1,7 @@
-"""What verification costs on this hardware: the target's cached forward over K + 1 tokens
-against one token (speculative decoding pays off only when the first is far below K + 1 times the
-second)."""
+"""What speculative decoding costs on this hardware: the target's cached forward over K + 1
+tokens against one token (`forward_costs`; speculation pays off only when the first is far below
+K + 1 times the second), where a round spends its time (`round_profile`), and the speedup the
+standard cost model predicts from them (`expected_speedup`)."""
 
 from __future__ import annotations
 
@@ -118,15 +119,11 @@ def round_profile(lm, method, *, draft=None, table=None, batch: int = 1, context
         x = toks.sum().astype(jnp.float32)
         return _nudge(s.replace(draft_cache=draft_cache), x), acc + x
 
-    def forward(width: int):
-        def body(i, carry):  # a token of the state, then the drafts: `width` positions
-            s, acc = carry
-            feed = jnp.concatenate([s.tokens[:, :1], proposal[0]], axis=1)[:, :width]
-            positions = (s.lengths - 1)[:, None] + jnp.arange(width)[None, :]
-            logits, cache = call_model(tg, tp, feed, positions, s.target_cache, s.lengths - 1)
-            x = logits[:, -1, 0].sum()
-            return _nudge(s.replace(target_cache=cache), x), acc + x
-        return body
+    def one_token(i, carry):  # an AR step's forward: one token per row
+        s, acc = carry
+        logits, cache = call_model(tg, tp, s.tokens[:, :1], (s.lengths - 1)[:, None], s.target_cache, s.lengths - 1)
+        x = logits[:, -1, 0].sum()
+        return _nudge(s.replace(target_cache=cache), x), acc + x
 
     def scoring(i, carry):  # the forward as the round runs it (and processing, where on)
         s, acc = carry
@@ -149,7 +146,7 @@ def round_profile(lm, method, *, draft=None, table=None, batch: int = 1, context
 
     ms = {name: _ms_per_loop(looped(body), (start,), loops, reps) for name, body in (
         ("propose_ms", proposing), ("target_forward_ms", scoring), ("verify_ms", deciding), ("round_ms", rounds),
-        ("one_token_ms", forward(1)))}
+        ("one_token_ms", one_token))}
     ms["bookkeeping_ms"] = ms["round_ms"] - ms["propose_ms"] - ms["target_forward_ms"] - ms["verify_ms"]
     return {"k": k, "batch": batch, "context": context, **ms}
 
