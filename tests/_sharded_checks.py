@@ -1,15 +1,15 @@
 """Samplers and serving engines on 8 simulated devices, split over four meshes, against one device.
 
-Run as ``python -m tests._sharded_checks`` (tests/test_sharded_sampling.py does, in a fresh
-process: the device count is fixed when JAX starts; one process for both, so JAX starts and the
-models are built once). Prints one JSON object, ``{"samplers": ..., "engines": ...}``: per mesh the
-tokens of every sampler / engine, the largest logit difference, and how the parameters and KV
-caches are laid out; the test compares them with the one-device run.
+Run as ``python -m tests._sharded_checks samplers|engines`` (tests/test_sharded_sampling.py
+does, in a fresh process: the device count is fixed when JAX starts). Prints one JSON object:
+per mesh the tokens of every sampler / engine, the largest logit difference, and how the
+parameters and KV caches are laid out; the test compares them with the one-device run.
 """
 
 import dataclasses
 import json
 import os
+import sys
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
@@ -113,7 +113,8 @@ def layouts(m) -> dict:
             "decode_tokens": describe_shardings(state.tokens)[0]}
 
 
-def samplers(lms) -> dict:
+def samplers() -> dict:
+    lms = models()
     out = {"one": {"tokens": sampler_tokens(lms)}}
     ref = logits(lms["ar"])
     for name, shape in MESHES.items():
@@ -152,7 +153,8 @@ def engine_tokens(m, slots: int, rules: tuple, compact: bool = False) -> dict:
     return out
 
 
-def engines(lms) -> dict:
+def engines() -> dict:
+    lms = models()
     out = {"one": engine_tokens(lms, 8, ("standard", "nsd"))}  # subset stepping gives these tokens too
     for name, shape in MESHES.items():
         # (data=2, tensor=4) also steps subsets of the slots, in multiples of its 2 slot groups
@@ -163,5 +165,4 @@ def engines(lms) -> dict:
 
 if __name__ == "__main__":
     assert jax.device_count() == 8, jax.devices()
-    lms = models()
-    print(json.dumps({"samplers": samplers(lms), "engines": engines(lms)}))
+    print(json.dumps({"samplers": samplers, "engines": engines}[sys.argv[1]]()))

@@ -19,8 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = ("data8", "fsdp8", "data2_tensor4", "tensor8")
 
 
-def _checks() -> dict:
-    proc = subprocess.run([sys.executable, "-m", "tests._sharded_checks"], cwd=ROOT, capture_output=True,
+def _checks(which: str) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "tests._sharded_checks", which], cwd=ROOT, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -32,14 +32,8 @@ def _param(samplers, mesh, name):
 
 @pytest.mark.entry
 @pytest.mark.multidevice
-def test_every_sampler_and_serving_engine_gives_the_one_device_tokens_on_a_mesh_that_really_splits_the_model():
-    """One subprocess for the samplers and the engines (one JAX start, the models built once)."""
-    checks = _checks()
-    _check_samplers(checks["samplers"])
-    _check_engines(checks["engines"])
-
-
-def _check_samplers(samplers: dict) -> None:
+def test_every_sampler_gives_the_one_device_tokens_on_a_mesh_that_really_splits_the_model():
+    samplers = _checks("samplers")  # one process for all meshes: the models and references are built once
     one = samplers["one"]["tokens"]
     assert set(one) == {"ar_t0", "ar_t1", "standard_t0", "nsd_t0", "relf", "bd_t0", "bd_t1"}
     for mesh in MESHES:
@@ -71,7 +65,10 @@ def _check_samplers(samplers: dict) -> None:
     assert _param(samplers, "tensor8", "['attn']['wk']")["shard_shapes"] == [[32, 4, 4]]
 
 
-def _check_engines(out: dict) -> None:
+@pytest.mark.entry
+@pytest.mark.multidevice
+def test_every_serving_engine_gives_the_one_device_tokens_on_a_mesh():
+    out = _checks("engines")
     one = out["one"]
     for mesh in MESHES:
         got = out[mesh]
