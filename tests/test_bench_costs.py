@@ -53,3 +53,17 @@ def test_cost_model_rows_name_the_gap_between_measured_and_predicted():
     # the measured speedup is tau x AR step / measured round: the named parts add up
     assert abs(p["measured_speedup"] - p["tau"] * p["ar_step_ms"] / p["round_measured_ms"]) < 1e-12
     assert p["measured_over_predicted"] == 1.5 / 2.0
+
+
+def test_another_preset_s_forward_cost_is_measured_on_its_shape():
+    from experiments.bench.spec_cost import preset_forward_cost
+    from relf_jax.config import make_config
+
+    out = preset_forward_cost("tiny", 2, vocab=64)
+    assert out["preset"] == "tiny" and set(out) >= {"b1", "b8", "weight_bytes"}
+    m = make_config("tiny").model
+    d, dh, f = m.d_model, m.resolved_head_dim, m.mlp_dim
+    attn = d * dh * (2 * m.num_heads + 2 * m.num_kv_heads)  # wq, wo; wk, wv
+    per_layer = attn + 3 * d * f + 2 * d  # + SwiGLU, two norms
+    assert out["weight_bytes"] == 4 * (64 * d + m.num_layers * per_layer + d)  # + tied embedding, final norm
+    assert out["b1"]["ratio"] > 0 and out["b8"]["3_tokens_ms"] > 0

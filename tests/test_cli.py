@@ -64,6 +64,10 @@ def test_bench_serve_parts_are_checked(capsys, tmp_path):
     _one_line_error(rc, err, "models, reflow, latency", "speed")
     rc, _, err = _run(capsys, "bench", "serve", "--out", out, "--parts", "engines,gpu", "--workdir", str(tmp_path))
     _one_line_error(rc, err, "engines, batcher, dws", "gpu")
+    rc, _, err = _run(capsys, "bench", "relf", "--out", out, "--preset", "cpu-wide")
+    _one_line_error(rc, err, "--preset applies to bench spec only")
+    rc, _, err = _run(capsys, "bench", "spec", "--out", out, "--preset", "cpu-wide", "--quick")
+    _one_line_error(rc, err, "--preset and --quick are exclusive")
     assert parse_args(["serve", "--mock", "--steps-per-call", "3"]).steps_per_call == 3
 
 

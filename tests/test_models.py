@@ -119,3 +119,48 @@ def test_parameters_carry_logical_axes(tiny_model):
     axes = [v.get_metadata().get("logical_axes") for v in jax.tree.leaves(
         params, is_leaf=lambda x: isinstance(x, nnx.Variable))]
     assert axes and all(a is not None for a in axes)
+
+
+def test_out_in_weight_layout_computes_the_same_model(tiny_model_cfg):
+    """`model.weight_layout=out_in` stores the dense weights [out, in] (permuted logical axes
+    too); with the in_out model's weights moved over by `convert_layout` it gives the same logits,
+    full and cached, the conversion goes back exactly, and HF export sees in_out weights."""
+    import dataclasses
+
+    import pytest
+
+    from relf_jax.config import ConfigError, make_config
+    from relf_jax.export.flat import flat_params, params_from_flat
+    from relf_jax.export.hf_export import hf_tensors_from_params
+    from relf_jax.models import build_model
+    from relf_jax.models.layers import convert_layout
+
+    cfg = dataclasses.replace(tiny_model_cfg, tie_embeddings=False, qkv_bias=True, num_kv_heads=1)
+    ref_graph, ref_params = nnx.split(build_model(cfg, nnx.Rngs(3)))
+    out_cfg = dataclasses.replace(cfg, weight_layout="out_in")
+    flat = flat_params(ref_params)
+    moved = convert_layout(flat, "in_out", "out_in")
+    graph, params = params_from_flat(out_cfg, moved)
+    d, h, dh, f = cfg.d_model, cfg.num_heads, cfg.resolved_head_dim, cfg.mlp_dim
+    stored = {v.get_metadata()["logical_axes"]: v.shape for v in jax.tree.leaves(
+        nnx.state(build_model(out_cfg, nnx.Rngs(0))), is_leaf=lambda x: isinstance(x, nnx.Variable))}
+    assert stored[("heads", "head_dim", "embed")] == (h, dh, d)  # wq
+    assert stored[("embed", "heads", "head_dim")] == (d, h, dh)  # wo
+    assert stored[("mlp", "embed")] == (f, d) and stored[("embed", "mlp")] == (d, f)  # gate/up, down
+    assert stored[("vocab", "embed")] == (cfg.vocab_size, d)  # the embedding and the untied head
+    toks = jax.random.randint(jax.random.key(2), (2, 9), 0, cfg.vocab_size)
+    ref, got = _jitted(ref_graph, ref_params), _jitted(graph, params)
+    np.testing.assert_allclose(got(toks)[0], ref(toks)[0], atol=1e-5)
+    pos = jnp.broadcast_to(jnp.arange(4, 9), (2, 5))  # a 5-token cached step (K = 4 verification)
+    idx = jnp.full((2,), 4, jnp.int32)
+    a = ref(toks[:, 4:], pos, cache=ref(toks[:, :4], cache=init_cache(cfg, 2, 12),
+                                        cache_index=jnp.zeros(2, jnp.int32))[1], cache_index=idx)[0]
+    b = got(toks[:, 4:], pos, cache=got(toks[:, :4], cache=init_cache(out_cfg, 2, 12),
+                                        cache_index=jnp.zeros(2, jnp.int32))[1], cache_index=idx)[0]
+    np.testing.assert_allclose(b, a, atol=1e-5)
+    back = convert_layout(flat_params(params), "out_in", "in_out")
+    assert all(np.array_equal(np.asarray(back[n]), np.asarray(flat[n])) for n in flat)
+    hf_ref, hf_out = hf_tensors_from_params(cfg, flat), hf_tensors_from_params(out_cfg, flat_params(params))
+    assert hf_ref.keys() == hf_out.keys() and all(np.array_equal(hf_ref[n], hf_out[n]) for n in hf_ref)
+    with pytest.raises(ConfigError, match="weight_layout"):
+        make_config("tiny", ["model.family=relf", "model.weight_layout=out_in"])

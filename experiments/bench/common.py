@@ -30,16 +30,18 @@ def draft_steps(cfg) -> int:
     return max(1, cfg.train.steps // 2)
 
 
-def ensure_target_and_draft(preset: str, workdir: str, overrides: Sequence[str] = ()):
+def ensure_target_and_draft(preset: str, workdir: str, overrides: Sequence[str] = (),
+                            draft_overrides: Sequence[str] = ()):
     """(config, target, draft): trained in `workdir` (or resumed / reused), the draft distilled
-    for `draft_steps` as the demo does."""
+    for `draft_steps` as the demo does (`draft_overrides`: its ``model.*`` shape, if not the
+    default half-size one)."""
     import relf_jax as rj
     from relf_jax.loading import load_model
     from relf_jax.speculative.recipes import train_draft
     cfg = make_config(preset, list(overrides), workdir=workdir)
     rj.train(cfg)
     lm = load_model(workdir, "ar")
-    train_draft(workdir, [f"train.steps={draft_steps(cfg)}"])
+    train_draft(workdir, [*draft_overrides, f"train.steps={draft_steps(cfg)}"])
     draft = load_model(os.path.join(workdir, "draft"), "ar")
     return cfg, lm, draft
 

@@ -25,14 +25,22 @@ from relf_jax.io import write_json
 from relf_jax.methods import Autoregressive, Speculative, parse_proposer
 from relf_jax.speculative.cost import forward_costs
 
+# the draft of a target past the caches: a model that stays in them (~0.5M parameters), so a draft
+# step costs a few percent of a target step (the default draft, half the target's width and
+# depth, would cost a quarter)
+SMALL_DRAFT = ("model.d_model=128", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
+               "model.mlp_dim=384", "model.head_dim=0", "model.weight_layout=in_out")
 
-def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = ()) -> dict:
+
+def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),
+               preset: str | None = None) -> dict:
     from relf_jax.eval.evaluate import exact_judge
     from relf_jax.speculative.recipes import proposer_inputs, sample
 
-    preset = "tiny" if quick else "cpu"
+    preset = preset or ("tiny" if quick else "cpu")
     workdir = workdir or os.path.join("runs", f"bench_spec_{preset}")
-    cfg, lm, draft = ensure_target_and_draft(preset, workdir, overrides)
+    cfg, lm, draft = ensure_target_and_draft(preset, workdir, overrides,
+                                             SMALL_DRAFT if preset == "cpu-wide" else ())
     judge = exact_judge(cfg)
     max_new = 32 if quick else 64
     n_prompts = 8 if quick else 16
@@ -81,7 +89,10 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
               "round_profile": profs, "cost_model": preds, "matvec": bandwidth,
               "regime": spec_cost.regime(lm, [r for r in rows if r["rule"] == "none"], costs, bandwidth),
               # past the caches: random-weight wide shapes' K + 1-token cost (not with --quick)
-              "wide_probe": [] if quick else spec_cost.wide_probe(k)}
+              "wide_probe": [] if quick else spec_cost.wide_probe(k),
+              # the compute-bound contrast: the `cpu` preset's shape (random weights) on this machine
+              "cpu_preset_forward_cost": (None if quick or preset == "cpu"
+                                          else spec_cost.preset_forward_cost("cpu", k, lm.model_cfg.vocab_size))}
     write_json(out, report)
     print(json.dumps(report["ratios"], indent=2))
     for p in preds:

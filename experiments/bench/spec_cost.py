@@ -130,10 +130,10 @@ def best_case(tau: float, costs: dict) -> float:
 WIDE_SHAPES = ((1024, 2, 16, 4096), (768, 2, 12, 3072))
 
 
-def wide_probe(k: int, vocab: int = 1024, shapes=WIDE_SHAPES) -> list[dict]:
+def wide_probe(k: int, vocab: int = 1024, shapes=WIDE_SHAPES, layouts=("in_out", "out_in")) -> list[dict]:
     """`forward_costs` at batch 1 of randomly initialised wide AR models (no training needed: the
-    cost does not depend on the weights' values), with their weight bytes and the rate their
-    one-token step reads them."""
+    cost does not depend on the weights' values) in each weight layout (`ModelConfig.weight_layout`),
+    with their weight bytes and the rate their one-token step reads them."""
     import types
 
     from flax import nnx
@@ -143,15 +143,35 @@ def wide_probe(k: int, vocab: int = 1024, shapes=WIDE_SHAPES) -> list[dict]:
     from relf_jax.speculative.cost import forward_costs
 
     out = []
-    for d, layers, heads, mlp in shapes:
+    for (d, layers, heads, mlp), layout in ((s, lay) for s in shapes for lay in layouts):
         cfg = ModelConfig(vocab_size=vocab, d_model=d, num_layers=layers, num_heads=heads, num_kv_heads=heads,
-                          mlp_dim=mlp, max_seq_len=256)
+                          mlp_dim=mlp, max_seq_len=256, weight_layout=layout)
         graphdef, params = nnx.split(build_model(cfg, nnx.Rngs(0)))
         lm = types.SimpleNamespace(graphdef=graphdef, params=params, model_cfg=cfg)
         cost = forward_costs(lm, k, batches=(1,), reps=5)["b1"]
         nbytes = weight_bytes(lm)
-        out.append({"d_model": d, "num_layers": layers, "mlp_dim": mlp, "weight_bytes": nbytes, **cost,
+        out.append({"d_model": d, "num_layers": layers, "mlp_dim": mlp, "weight_layout": layout,
+                    "weight_bytes": nbytes, **cost,
                     "step_gb_per_s": nbytes / cost["one_token_ms"] / 1e6})
-        print(f"[bench spec] wide d={d} L={layers}: {nbytes / 1e6:.0f} MB, one token {cost['one_token_ms']:.2f} ms "
+        print(f"[bench spec] wide d={d} L={layers} {layout}: {nbytes / 1e6:.0f} MB, "
+              f"one token {cost['one_token_ms']:.2f} ms "
               f"({out[-1]['step_gb_per_s']:.1f} GB/s), {k + 1} tokens x{cost['ratio']:.2f}", flush=True)
     return out
+
+
+def preset_forward_cost(preset: str, k: int, vocab: int) -> dict:
+    """`forward_costs` at batch 1 and 8 of a randomly initialised AR model of `preset`'s shape
+    (another preset's regime, measured in this run without training it), with its weight bytes."""
+    import dataclasses
+    import types
+
+    from flax import nnx
+
+    from relf_jax.config import make_config
+    from relf_jax.models import build_model
+    from relf_jax.speculative.cost import forward_costs
+
+    cfg = dataclasses.replace(make_config(preset).model, vocab_size=vocab)
+    graphdef, params = nnx.split(build_model(cfg, nnx.Rngs(0)))
+    lm = types.SimpleNamespace(graphdef=graphdef, params=params, model_cfg=cfg)
+    return {"preset": preset, "weight_bytes": weight_bytes(lm), **forward_costs(lm, k, reps=5)}

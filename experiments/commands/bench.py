@@ -28,6 +28,8 @@ def bench_args(p):
                                                  "(8-turn conversations, prefix cache on vs off); "
                                                  "relf: models, reflow (reflow and no-pairs control rounds), "
                                                  "latency; default all")
+    p.add_argument("--preset", default=None, help="bench spec only: the target's preset (default cpu; cpu-wide: "
+                                                  "a target past the caches, with a small distilled draft)")
     p.add_argument("--budgets", default=None, help="bench bd only: training budgets in steps, comma-separated "
                                                    "(default 600,1200)")
     p.add_argument("--ablation", action="store_true", help="bench bd only: also the old one-conversation-per-row "
@@ -45,6 +47,12 @@ def _bench_options(args) -> dict:
         if args.which not in ("serve", "relf"):
             raise UserError("--parts applies to bench serve and bench relf only")
         extra["parts"] = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if args.preset is not None:
+        if args.which != "spec":
+            raise UserError("--preset applies to bench spec only")
+        if args.quick:
+            raise UserError("--preset and --quick are exclusive (--quick is the tiny preset)")
+        extra["preset"] = args.preset
     if args.budgets is not None or args.ablation or args.ar_rows:
         if args.which != "bd":
             raise UserError("--budgets, --ablation and --ar-rows apply to bench bd only")

@@ -16,6 +16,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # The demo on a 2-core CPU.
     "cpu": {},
+    # A target past the CPU's caches (72 MB of float32 weights, 2x a 32 MiB L3): its decode step
+    # reads its weights from memory, the regime speculative decoding is for (`bench spec --preset
+    # cpu-wide`, docs/speculative.md). Width over depth; weights stored [out, in].
+    "cpu-wide": {
+        "model.d_model": 768, "model.num_layers": 2, "model.num_heads": 12, "model.num_kv_heads": 4,
+        "model.mlp_dim": 3072, "model.weight_layout": "out_in",
+        "train.steps": 600, "train.learning_rate": 1e-3, "train.eval_every": 100, "train.checkpoint_every": 100,
+    },
     # GPT-2 small / medium / large shapes, for accelerators and pods.
     "small": {
         "model.d_model": 768, "model.num_layers": 12, "model.num_heads": 12, "model.num_kv_heads": 12,

@@ -53,6 +53,11 @@ class ModelConfig:
     embed_scaling: bool = True
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # ar / bd: how the blocks' dense weights (and an untied head) are stored, "in_out" ([in, out])
+    # or "out_in" ([out, in], PyTorch's order). The same function, another XLA:CPU kernel: for a
+    # 210 MB target (d 1024, 4 layers) "out_in" made the one-token step 1.13x and the 5-token
+    # (K = 4) verification 1.38x faster (docs/speculative.md); relf_jax.models.layers.WEIGHT_LAYOUTS.
+    weight_layout: Literal["in_out", "out_in"] = "in_out"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     flow_embed_dim: int = 32  # relf: width of the fixed token embeddings (paper's best: 32)
     # relf: a learned "known position" input, so the network can be told which positions hold a
@@ -265,6 +270,9 @@ class Config:
         _check(m.resolved_head_dim % 2 == 0, "the head dimension must be even (RoPE rotates pairs)")
         _check(m.block_size >= 1 and m.max_blocks >= 1, "model.block_size and model.max_blocks must be >= 1")
         m.check_rope()
+        _check(m.weight_layout == "in_out" or m.family in ("ar", "bd"),
+               f"model.weight_layout={m.weight_layout} is for the ar and bd families (token-by-token decoders), "
+               f"not model.family={m.family}")
         _check(d.seq_len >= 2, "data.seq_len must be >= 2")
         _check(d.seq_len <= m.max_seq_len,
                f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")

@@ -22,6 +22,7 @@ from relf_jax.data.tokenizer import CHAT_MARKERS, HFTokenizer, Tokenizer
 from relf_jax.errors import UserError
 from relf_jax.export.flat import flat_params
 from relf_jax.export.hf_import import ARCHITECTURES
+from relf_jax.models.layers import convert_layout
 
 
 def hf_rope_config(model_cfg: ModelConfig) -> dict:
@@ -76,7 +77,7 @@ def hf_tensors_from_params(model_cfg: ModelConfig, flat: dict[str, np.ndarray]) 
     tied model, an untied lm_head = E / sqrt(D).
     """
     d, h, k, dh = model_cfg.d_model, model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.resolved_head_dim
-    f = {n: np.asarray(v, np.float32) for n, v in flat.items()}
+    f = convert_layout({n: np.asarray(v, np.float32) for n, v in flat.items()}, model_cfg.weight_layout, "in_out")
     embed = f["embed"]
     out = {"model.norm.weight": f["final_norm.scale"]}
     if model_cfg.embed_scaling:

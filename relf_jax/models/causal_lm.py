@@ -22,6 +22,8 @@ from relf_jax.models.layers import (
     RMSNorm,
     causal_mask,
     decoder_stack,
+    dense,
+    dense_shape,
     make_param,
 )
 from relf_jax.runtime.sharding import constrain
@@ -44,7 +46,8 @@ class CausalLM(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs, param_dtype=pdtype)
         if not cfg.tie_embeddings:
             self.lm_head = make_param(rngs, jax.nn.initializers.normal(stddev=cfg.d_model ** -0.5),
-                                      (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdtype)
+                                      *dense_shape((cfg.d_model, cfg.vocab_size), ("embed", "vocab"), "lm_head",
+                                                   cfg.weight_layout), pdtype)
 
     def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None, *,
                  segment_ids: Optional[jax.Array] = None, cache: Optional[KVCache] = None,
@@ -111,7 +114,7 @@ class CausalLM(nnx.Module):
             if self.cfg.embed_scaling:
                 logits = logits * self.cfg.d_model ** -0.5
         else:
-            logits = x @ self.lm_head[...].astype(jnp.float32)
+            logits = dense(x, self.lm_head[...].astype(jnp.float32), self.cfg.weight_layout)
         logits = constrain(logits, ("batch", "length", "vocab"))
         return logits, (None if cache is None else tuple(new_cache))
 

@@ -39,6 +39,49 @@ def _dense_init(fan_in: int):
     return jax.nn.initializers.normal(stddev=fan_in ** -0.5)
 
 
+# How the dense weights of the transformer blocks (and an untied LM head) are stored:
+# "in_out" ([in, out], ``x @ w``: relf_jax's layout) or "out_in" ([out, in], ``x @ w.T``:
+# PyTorch's). They compute the same function; XLA:CPU compiles them to different kernels. Measured
+# on a 2-core EPYC with a 32 MiB L3 (jax 0.10): a lone 4096 x 8192 float32 product, 1 row 5.3 ms
+# "out_in" against 6.7 ms "in_out", 5 rows 1.57x one row against 2.49x; a 210 MB AR model
+# (d 1024, 4 layers, alternating runs), the one-token cached step 8.2 ms against 9.2 ms and the
+# 5-token one (verifying K = 4 drafts) 18.8 ms against 25.9 ms (`ModelConfig.weight_layout`).
+WEIGHT_LAYOUTS = ("in_out", "out_in")
+
+# out_in storage of each dense weight, as a permutation of its in_out axes
+_OUT_IN_PERM = {"wq": (1, 2, 0), "wk": (1, 2, 0), "wv": (1, 2, 0), "wo": (2, 0, 1),
+                "w_gate": (1, 0), "w_up": (1, 0), "w_down": (1, 0), "lm_head": (1, 0)}
+
+
+def dense_shape(shape: tuple[int, ...], axes: tuple, name: str, layout: str) -> tuple[tuple[int, ...], tuple]:
+    """The stored shape and logical axes of dense weight `name` (given in_out) in `layout`."""
+    if layout == "in_out":
+        return shape, axes
+    perm = _OUT_IN_PERM[name]
+    return tuple(shape[i] for i in perm), tuple(axes[i] for i in perm)
+
+
+def convert_layout(flat: dict, src: str, dst: str) -> dict:
+    """A flat ``{"blocks.0.attn.wq": array}`` parameter dict (numpy or jax arrays) with its dense
+    weights moved from layout `src` to `dst` (`WEIGHT_LAYOUTS`); other entries unchanged."""
+    if src not in WEIGHT_LAYOUTS or dst not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight layouts are {WEIGHT_LAYOUTS}, got {src!r} -> {dst!r}")
+    if src == dst:
+        return dict(flat)
+    out = {}
+    for name, value in flat.items():
+        perm = _OUT_IN_PERM.get(name.rsplit(".", 1)[-1])
+        if perm is not None and dst == "in_out":
+            perm = tuple(perm.index(i) for i in range(len(perm)))  # the inverse permutation
+        out[name] = value if perm is None else value.transpose(perm)
+    return out
+
+
+def dense(x: jax.Array, w: jax.Array, layout: str) -> jax.Array:
+    """``x @ w`` for a [in, out] weight, or ``x @ w.T`` for a [out, in] one."""
+    return x @ w if layout == "in_out" else jnp.einsum("...i,oi->...o", x, w)
+
+
 class RMSNorm(nnx.Module):
     """y = x / rms(x) * scale, computed in float32."""
 
@@ -181,17 +224,22 @@ class Attention(nnx.Module):
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  rope_theta: float = 10000.0, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
-                 qkv_bias: bool = False, rope: Optional[Rope] = None):
+                 qkv_bias: bool = False, rope: Optional[Rope] = None, layout: str = "in_out"):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.layout = layout
         self.rope = rope if rope is not None else Rope(theta=float(rope_theta))
         self.dtype = dtype
         init = _dense_init(d_model)
-        self.wq = make_param(rngs, init, (d_model, num_heads, head_dim), ("embed", "heads", "head_dim"), param_dtype)
         kv_axes = ("embed", "kv_heads", "head_dim")
-        self.wk = make_param(rngs, init, (d_model, num_kv_heads, head_dim), kv_axes, param_dtype)
-        self.wv = make_param(rngs, init, (d_model, num_kv_heads, head_dim), kv_axes, param_dtype)
-        self.wo = make_param(rngs, _dense_init(num_heads * head_dim), (num_heads, head_dim, d_model),
-                             ("heads", "head_dim", "embed"), param_dtype)
+        self.wq = make_param(rngs, init, *dense_shape((d_model, num_heads, head_dim), ("embed", "heads", "head_dim"),
+                                                      "wq", layout), param_dtype)
+        self.wk = make_param(rngs, init, *dense_shape((d_model, num_kv_heads, head_dim), kv_axes, "wk", layout),
+                             param_dtype)
+        self.wv = make_param(rngs, init, *dense_shape((d_model, num_kv_heads, head_dim), kv_axes, "wv", layout),
+                             param_dtype)
+        self.wo = make_param(rngs, _dense_init(num_heads * head_dim),
+                             *dense_shape((num_heads, head_dim, d_model), ("heads", "head_dim", "embed"), "wo", layout),
+                             param_dtype)
         self.qkv_bias = qkv_bias
         if qkv_bias:
             zeros = jax.nn.initializers.zeros
@@ -211,9 +259,11 @@ class Attention(nnx.Module):
         """
         dt = self.dtype
         x = x.astype(dt)
-        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
-        k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
-        v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
+        if self.layout == "in_out":
+            q, k, v = (jnp.einsum("btd,dhk->bthk", x, w[...].astype(dt)) for w in (self.wq, self.wk, self.wv))
+        else:  # [H, Dh, D] as one [H * Dh, D] matrix: a 3-D contraction would make XLA:CPU transpose it
+            q, k, v = (dense(x, w[...].astype(dt).reshape(-1, w.shape[-1]), "out_in")
+                       .reshape(*x.shape[:2], *w.shape[:2]) for w in (self.wq, self.wk, self.wv))
         if self.qkv_bias:
             q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
         q = apply_rope(q, positions, self.rope, rope_len)
@@ -253,7 +303,10 @@ class Attention(nnx.Module):
         else:
             out = jnp.einsum("bkgts,bksd->bkgtd", probs, v_all)
         out = jnp.moveaxis(out, 3, 1).astype(dt).reshape(b, t, h, dh)
-        y = jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dt))
+        if self.layout == "in_out":
+            y = jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dt))
+        else:
+            y = dense(out.reshape(b, t, h * dh), self.wo[...].astype(dt).reshape(self.wo.shape[0], -1), "out_in")
         return y, cache
 
 
@@ -261,18 +314,20 @@ class SwiGLU(nnx.Module):
     """down(silu(x W_gate) * (x W_up))."""
 
     def __init__(self, d_model: int, mlp_dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 param_dtype=jnp.float32):
-        self.dtype = dtype
-        self.w_gate = make_param(rngs, _dense_init(d_model), (d_model, mlp_dim), ("embed", "mlp"), param_dtype)
-        self.w_up = make_param(rngs, _dense_init(d_model), (d_model, mlp_dim), ("embed", "mlp"), param_dtype)
-        self.w_down = make_param(rngs, _dense_init(mlp_dim), (mlp_dim, d_model), ("mlp", "embed"), param_dtype)
+                 param_dtype=jnp.float32, layout: str = "in_out"):
+        self.dtype, self.layout = dtype, layout
+        up = dense_shape((d_model, mlp_dim), ("embed", "mlp"), "w_up", layout)
+        self.w_gate = make_param(rngs, _dense_init(d_model), *up, param_dtype)
+        self.w_up = make_param(rngs, _dense_init(d_model), *up, param_dtype)
+        self.w_down = make_param(rngs, _dense_init(mlp_dim), *dense_shape((mlp_dim, d_model), ("mlp", "embed"),
+                                                                          "w_down", layout), param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        dt = self.dtype
+        dt, lay = self.dtype, self.layout
         x = x.astype(dt)
-        h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))
+        h = jax.nn.silu(dense(x, self.w_gate[...].astype(dt), lay)) * dense(x, self.w_up[...].astype(dt), lay)
         h = constrain(h, ("batch", "length", "mlp"))
-        return h @ self.w_down[...].astype(dt)
+        return dense(h, self.w_down[...].astype(dt), lay)
 
 
 class TransformerBlock(nnx.Module):
@@ -287,12 +342,13 @@ class TransformerBlock(nnx.Module):
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, mlp_dim: int, *,
                  rope_theta: float = 10000.0, norm_eps: float = 1e-6, cond_dim: int = 0,
                  rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32, qkv_bias: bool = False,
-                 rope: Optional[Rope] = None):
+                 rope: Optional[Rope] = None, layout: str = "in_out"):
         self.attn_norm = RMSNorm(d_model, eps=norm_eps, rngs=rngs, param_dtype=param_dtype)
         self.attn = Attention(d_model, num_heads, num_kv_heads, head_dim, rope_theta=rope_theta,
-                              rngs=rngs, dtype=dtype, param_dtype=param_dtype, qkv_bias=qkv_bias, rope=rope)
+                              rngs=rngs, dtype=dtype, param_dtype=param_dtype, qkv_bias=qkv_bias, rope=rope,
+                              layout=layout)
         self.mlp_norm = RMSNorm(d_model, eps=norm_eps, rngs=rngs, param_dtype=param_dtype)
-        self.mlp = SwiGLU(d_model, mlp_dim, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.mlp = SwiGLU(d_model, mlp_dim, rngs=rngs, dtype=dtype, param_dtype=param_dtype, layout=layout)
         self.cond_dim = cond_dim
         if cond_dim:
             self.modulation = make_param(rngs, jax.nn.initializers.zeros, (cond_dim, 6, d_model),
@@ -325,6 +381,6 @@ def decoder_stack(cfg, *, rngs: nnx.Rngs, dtype, param_dtype) -> nnx.List:
     return nnx.List([
         TransformerBlock(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim,
                          rope=Rope.from_config(cfg), norm_eps=cfg.norm_eps, rngs=rngs,
-                         dtype=dtype, param_dtype=param_dtype, qkv_bias=cfg.qkv_bias)
+                         dtype=dtype, param_dtype=param_dtype, qkv_bias=cfg.qkv_bias, layout=cfg.weight_layout)
         for _ in range(cfg.num_layers)
     ])
