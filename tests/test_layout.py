@@ -1,6 +1,7 @@
 """The house rules, checked on the real tree by reading the sources: imports only run down the
-floors, no private name crosses a module boundary, no import cycle, and the Pallas kernels are
-leaves that import only JAX, NumPy and the standard library; and every module imports on its own."""
+floors, no private name crosses a module boundary, no import cycle, and the kernels (Pallas, CPU)
+are leaves that import only JAX, NumPy, each other and the standard library; and every module
+imports on its own."""
 
 import ast
 import pathlib
@@ -8,7 +9,8 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("relf_jax", "kernels_pallas", "experiments")
+PACKAGES = ("relf_jax", "kernels_pallas", "kernels_cpu", "experiments")
+KERNEL_PACKAGES = ("kernels_pallas", "kernels_cpu")
 
 # (importer prefix, forbidden import prefixes): a floor never imports a floor above it
 FLOORS = [
@@ -20,7 +22,7 @@ FLOORS = [
     ("relf_jax.sampling", ("relf_jax.serving", "experiments")),
     ("relf_jax", ("experiments",)),
 ]
-KERNEL_IMPORTS = ("jax", "jaxlib", "numpy", "kernels_pallas")
+KERNEL_IMPORTS = ("jax", "jaxlib", "numpy", *KERNEL_PACKAGES)
 
 
 class Module:
@@ -147,7 +149,7 @@ def _floor_violations() -> list[str]:
 def _kernel_imports() -> list[str]:
     bad = []
     for mod in MODULES.values():
-        if mod.name.split(".")[0] != "kernels_pallas":
+        if mod.name.split(".")[0] not in KERNEL_PACKAGES:
             continue
         for line, target, _ in _imports(mod):
             top = target.split(".")[0]

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kernels_pallas import dispatch
 from relf_jax.checkpoint import LoadedModel
 from relf_jax.data.tokenizer import HFTokenizer
 from relf_jax.errors import UserError
@@ -89,10 +90,11 @@ def export_decode(lm: LoadedModel, out: str, *, batch: int = 1, prompt_len: int 
     i32 = jnp.int32
     prefill, decode = step_functions(mc, max_len)
     kw = {"platforms": tuple(platforms)} if platforms else {}
-    exp_prefill = jax.export.export(jax.jit(prefill), **kw)(
-        spec, jax.ShapeDtypeStruct((batch, prompt_len), i32), jax.ShapeDtypeStruct((batch,), i32))
-    exp_decode = jax.export.export(jax.jit(decode), **kw)(
-        spec, jax.ShapeDtypeStruct((batch,), i32), jax.ShapeDtypeStruct((batch,), i32), cache_spec)
+    with dispatch.references():  # portable StableHLO: no host-specific custom call (CPU kernels)
+        exp_prefill = jax.export.export(jax.jit(prefill), **kw)(
+            spec, jax.ShapeDtypeStruct((batch, prompt_len), i32), jax.ShapeDtypeStruct((batch,), i32))
+        exp_decode = jax.export.export(jax.jit(decode), **kw)(
+            spec, jax.ShapeDtypeStruct((batch,), i32), jax.ShapeDtypeStruct((batch,), i32), cache_spec)
     os.makedirs(out, exist_ok=True)
     for name, exp in (("prefill", exp_prefill), ("decode", exp_decode)):
         with open(os.path.join(out, f"{name}.jax_export"), "wb") as f:

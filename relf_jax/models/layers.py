@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels_pallas import dispatch
 from relf_jax.runtime.sharding import KV_CACHE_AXES, constrain
 
 KVCache = tuple[tuple[jax.Array, jax.Array], ...]  # per layer (k, v): [B, K, S, Dh] each
@@ -78,8 +79,10 @@ def convert_layout(flat: dict, src: str, dst: str) -> dict:
 
 
 def dense(x: jax.Array, w: jax.Array, layout: str) -> jax.Array:
-    """``x @ w`` for a [in, out] weight, or ``x @ w.T`` for a [out, in] one."""
-    return x @ w if layout == "in_out" else jnp.einsum("...i,oi->...o", x, w)
+    """``x @ w`` for a [in, out] weight, or ``x @ w.T`` for a [out, in] one (through
+    `kernels_pallas.dispatch.small_matmul`: on CPU, 2-8 float32 rows take a kernel whose cost
+    follows the weight's bytes rather than the rows)."""
+    return x @ w if layout == "in_out" else dispatch.small_matmul(x, w)
 
 
 class RMSNorm(nnx.Module):
