@@ -2,8 +2,9 @@
 prompt-lookup and corpus n-gram proposers) at batch 1 and 8, temperature 1.0, 0.7 and 0 (the last
 two not with --quick), K = 4 and, at batch 1 and T = 1, K = 2 and 6: tokens/s, tau (tokens per target
 forward) and, for quality, gen PPL (exact judge, replies scored given their prompts) and entropy;
-plus the target's forward cost over K + 1 tokens relative to one token (`target_forward_cost`),
-which decides whether speculation can pay on this hardware, and the cost model
+plus the target's forward cost over K + 1 tokens relative to one token (`target_forward_cost`,
+and `target_forward_cost_xla_dot` without the CPU small-matmul kernel), which decides whether
+speculation can pay on this hardware, the host (CPU, last-level cache, vector ISA), and the cost model
 (`experiments.bench.spec_cost`): where a round spends its time, the predicted against the measured
 speedups, and the target's memory regime.
 
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 
 from experiments.bench import spec_cost
 from experiments.bench.common import ensure_target_and_draft, find_row, held_out_prompts, reply_quality
+from kernels_pallas import dispatch
 from relf_jax.io import write_json
 from relf_jax.methods import Autoregressive, Speculative, parse_proposer
 from relf_jax.speculative.cost import forward_costs
@@ -80,12 +82,15 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
     wall = time.perf_counter() - t0
     # verification cost: K + 1 tokens in one target forward vs one token
     costs = forward_costs(lm, k)
+    with dispatch.references():  # the same forwards through XLA's dot alone (no CPU kernel)
+        costs_xla = forward_costs(lm, k)
     profs = spec_cost.profiles(lm, draft, table, k=k)
     bandwidth = spec_cost.matvec_bandwidth()
     preds = spec_cost.predictions(rows, profs, k)
     report = {"rows": rows, "ratios": _spec_ratios(rows, (1.0,) if quick else (1.0, 0.7, 0.0), k),
               "preset": preset, "k": k, "max_new_tokens": max_new, "num_prompts": n_prompts, "wall_s": wall,
               "draft_cost_ratio": _cost_ratio(lm, draft), "target_forward_cost": costs,
+              "target_forward_cost_xla_dot": costs_xla, "host": spec_cost.host(),
               "round_profile": profs, "cost_model": preds, "matvec": bandwidth,
               "regime": spec_cost.regime(lm, [r for r in rows if r["rule"] == "none"], costs, bandwidth),
               # past the caches: random-weight wide shapes' K + 1-token cost (not with --quick)

@@ -9,6 +9,7 @@ Measured in the bench's process, after its rows, on the same models; see
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -117,6 +118,39 @@ def regime(lm, ar_rows: list[dict], costs: dict, bandwidth: dict) -> dict:
         out["ar_decode_gb_per_s"] = nbytes * ar_b1 / 1e9
         out["ar_decode_over_matvec"] = out["ar_decode_gb_per_s"] / bandwidth["gb_per_s"]
     return out
+
+
+def host() -> dict:
+    """The CPU the bench ran on, as far as its regime depends on it: model name, cores, the
+    last-level cache, the widest vector ISA, and whether the CPU small-matmul kernel built
+    (``kernels_cpu``: which product a 2-8-row step takes). Fields this OS does not expose are None."""
+    import glob
+
+    from kernels_cpu import small_matmul
+
+    model, flags = None, ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name") and model is None:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = line
+    except OSError:
+        pass
+    llc = None
+    for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            level = int(open(f"{d}/level").read())
+            size = open(f"{d}/size").read().strip()
+        except (OSError, ValueError):
+            continue
+        if llc is None or level > llc[0]:
+            llc = (level, size)
+    isa = next((n for n, f in (("avx512", " avx512f"), ("avx2", " avx2"), ("neon", " asimd")) if f in flags), None)
+    return {"cpu": model, "cores": os.cpu_count(), "last_level_cache": llc and f"L{llc[0]} {llc[1]}",
+            "vector_isa": isa, "small_matmul_kernel": small_matmul.available(),
+            "small_matmul_kernel_unavailable": small_matmul.unavailable_reason() or None}
 
 
 def best_case(tau: float, costs: dict) -> float:
