@@ -27,6 +27,7 @@ from relf_jax.io import write_json
 from relf_jax.loading import load_model
 from relf_jax.methods import DraftModel, NgramTable, Speculative
 from relf_jax.sampling.recipes import sample_bd
+from relf_jax.speculative.cost import decode_regime
 from relf_jax.speculative.recipes import sample, train_draft
 from relf_jax.train.metrics import read_metrics
 
@@ -86,6 +87,9 @@ def run_demo(quick: bool = False, workdir: Optional[str] = None, overrides: Sequ
     ar_rows, examples = _ar_rows(lm, judge, sc)
     rows += ar_rows
     rows += _speculative_rows(cfg, lm, judge, quick=quick)
+    # the regime the speculative rows ran in: what K + 1 tokens cost against one on this machine
+    regime = decode_regime(lm, k=4)
+    print(f"[demo] speculative rows' regime: {regime_sentence(regime, rows)}", flush=True)
     rows += _relf_rows(cfg, preset, overrides, judge)
     rows.append(_bd_row(cfg, preset, overrides, judge))
     decode = {}
@@ -103,6 +107,7 @@ def run_demo(quick: bool = False, workdir: Optional[str] = None, overrides: Sequ
                   "tokens_per_s": train_rows[-1]["tokens_per_s"] if train_rows else None,
                   "resumed_from": result.resumed_from},
         "decode_tokens_per_s": decode,
+        "speculative_regime": regime,
         "judge": "exact synthetic_chat likelihood (words)",
         "examples": examples,
         "wall_s": time.perf_counter() - t_start,
@@ -190,6 +195,24 @@ def _write_report(report: dict, out: str) -> None:
     print(f"[demo] wrote {out}/report.json, report.md, quality.png, ar/loss_curve.png")
 
 
+def regime_sentence(regime: dict, rows: list[dict]) -> str:
+    """The speculative rows' regime (`relf_jax.speculative.cost.decode_regime`) and each row's
+    ceiling at its tau, in one sentence. Weights inside the last-level cache: the step is bound by
+    compute and dispatch overhead, not by reading weights from memory (speculation's regime)."""
+    spec_rows = [r for r in rows if r["method"].startswith("spec ")]
+    cache = ("" if regime["weights_fit_in_cache"] is None else
+             f" ({'inside' if regime['weights_fit_in_cache'] else 'past'} the {regime['last_level_cache_bytes'] >> 20}"
+             f" MiB {regime['last_level_cache']})")
+    ratio = regime["verify_over_one_token"]
+    bounds = ", ".join(f"{r['method']} tau {r['tau']:.2f} -> at most x{r['tau'] / ratio:.2f}" for r in spec_rows)
+    kind = {None: "cache unknown", True: "in cache: compute/overhead-bound",
+            False: "past the cache: memory-bound"}[regime["weights_fit_in_cache"]]
+    return (f"the target's {regime['weight_bytes'] / 1e6:.1f} MB of weights{cache}; "
+            f"verifying K + 1 = {regime['k'] + 1} tokens costs x{ratio:.2f} a one-token step ({kind}), so a round "
+            f"of tau tokens is at most tau / {ratio:.2f} faster than AR: {bounds}. The memory-bound regime: "
+            f"`relf-jax bench spec --preset cpu-wide` (docs/speculative.md)")
+
+
 def _fmt(v, digits: int = 1) -> str:
     if v is None:
         return "-"
@@ -224,7 +247,14 @@ def render_markdown(report: dict) -> str:
             f"{head}{body}\nTraining: {t['steps']} steps, final loss {_fmt(t['final_loss'], 3)}, eval loss "
             f"{_fmt(t['eval_loss'], 3)}, {_fmt(t['tokens_per_s'])} tokens/s.\n\nDecode tokens/s: batch 1 "
             f"{_fmt(report['decode_tokens_per_s']['1'])}, batch 8 {_fmt(report['decode_tokens_per_s']['8'])}.\n\n"
-            f"Samples (AR, T=1):\n{ex}\n\nWall time: {report['wall_s']:.1f} s.\n")
+            f"{_regime_md(report)}Samples (AR, T=1):\n{ex}\n\nWall time: {report['wall_s']:.1f} s.\n")
+
+
+def _regime_md(report: dict) -> str:
+    regime = report.get("speculative_regime")
+    if regime is None:
+        return ""
+    return f"Speculative rows: {regime_sentence(regime, report['rows'])}.\n\n"
 
 
 def plot_quality(rows: list[dict], path: str) -> None:

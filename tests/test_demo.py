@@ -43,6 +43,12 @@ def test_demo_quick_writes_report_and_reuses_its_cache(tmp_path, capsys):
     data = report["rows"][0]
     assert all(r["gen_ppl"] > data["gen_ppl"] for r in report["rows"][1:])
     assert set(report["decode_tokens_per_s"]) == {"1", "8"}
+    # the speculative rows' regime, measured: weight bytes, cache, what K + 1 tokens cost against one
+    regime = report["speculative_regime"]
+    assert regime["k"] == 4 and regime["weight_bytes"] > 0 and regime["verify_over_one_token"] > 0
+    assert regime["ceiling_speedup"] == pytest.approx(5 / regime["verify_over_one_token"])
+    assert "speculative rows' regime" in out and "bench spec --preset cpu-wide" in out
+    assert "Speculative rows: the target's" in open(os.path.join(wd, "report.md")).read()
     for name in ("report.md", "quality.png", os.path.join("ar", "loss_curve.png"), "tokenizer.model"):
         assert os.path.exists(os.path.join(wd, name)), name
     assert "gen_ppl" in out and "data" in out

@@ -16,7 +16,8 @@ import numpy as np
 
 from experiments.bench.common import find_row
 from relf_jax.methods import Speculative, parse_proposer
-from relf_jax.speculative.cost import expected_speedup, round_profile
+from relf_jax.runtime.info import last_level_cache
+from relf_jax.speculative.cost import expected_speedup, round_profile, weight_bytes
 
 # the matrix-vector product whose streaming rate is the bandwidth reference: 128 MiB of float32
 # weights, far past any cache, laid out as the models' dense layers are ([in, out], x @ w)
@@ -47,14 +48,6 @@ def matvec_bandwidth(shape=MATVEC_SHAPE, reps: int = 20) -> dict:
         out[f"{name}_5_rows_over_1"] = out[f"{name}_5_row_ms"] / out[f"{name}_1_row_ms"]
     out["gb_per_s"] = w.size * 4 / out["in_out_1_row_ms"] / 1e6
     return out
-
-
-def weight_bytes(lm) -> int:
-    """Bytes of the parameters a decode step reads (all of them: the embedding table is the tied
-    output projection)."""
-    import jax
-
-    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(lm.params)))
 
 
 def profiles(lm, draft, table, *, k: int, batches=(1, 8), proposers=("draft", "corpus_ngram", "prompt_lookup"),
@@ -124,8 +117,6 @@ def host() -> dict:
     """The CPU the bench ran on, as far as its regime depends on it: model name, cores, the
     last-level cache, the widest vector ISA, and whether the CPU small-matmul kernel built
     (``kernels_cpu``: which product a 2-8-row step takes). Fields this OS does not expose are None."""
-    import glob
-
     from kernels_cpu import small_matmul
 
     model, flags = None, ""
@@ -138,17 +129,9 @@ def host() -> dict:
                     flags = line
     except OSError:
         pass
-    llc = None
-    for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
-        try:
-            level = int(open(f"{d}/level").read())
-            size = open(f"{d}/size").read().strip()
-        except (OSError, ValueError):
-            continue
-        if llc is None or level > llc[0]:
-            llc = (level, size)
+    llc = last_level_cache()
     isa = next((n for n, f in (("avx512", " avx512f"), ("avx2", " avx2"), ("neon", " asimd")) if f in flags), None)
-    return {"cpu": model, "cores": os.cpu_count(), "last_level_cache": llc and f"L{llc[0]} {llc[1]}",
+    return {"cpu": model, "cores": os.cpu_count(), "last_level_cache": llc and f"L{llc[0]} {llc[1] >> 20} MiB",
             "vector_isa": isa, "small_matmul_kernel": small_matmul.available(),
             "small_matmul_kernel_unavailable": small_matmul.unavailable_reason() or None}
 

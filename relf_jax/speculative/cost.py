@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from relf_jax.models.causal_lm import init_cache
+from relf_jax.runtime.info import last_level_cache
 
 
 def forward_costs(lm, k: int, batches: Sequence[int] = (1, 8), context: int = 64, reps: int = 10) -> dict:
@@ -57,6 +58,27 @@ def forward_costs(lm, k: int, batches: Sequence[int] = (1, 8), context: int = 64
         out[f"b{b}"] = {"one_token_ms": ms[1], f"{k + 1}_tokens_ms": ms[k + 1],
                         "ratio": ms[k + 1] / ms[1]}
     return out
+
+
+def weight_bytes(lm) -> int:
+    """Bytes of the parameters a decode step reads (all of them: the embedding table is the tied
+    output projection)."""
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(lm.params)))
+
+
+def decode_regime(lm, k: int = 4, reps: int = 3) -> dict:
+    """Which regime `lm`'s decode step is in on this machine, measured: its weight bytes against the
+    CPU's last-level cache, and the batch-1 cost of verifying K + 1 tokens in one forward over a
+    one-token step (`forward_costs`). A round that commits tau tokens for one verification is then
+    at most tau / that ratio faster than AR (free drafts); speculation pays where the ratio is near
+    1 (a memory-bound target), not where it is near K + 1 (compute- or overhead-bound)."""
+    cost = forward_costs(lm, k, batches=(1,), reps=reps)["b1"]
+    nbytes, llc = weight_bytes(lm), last_level_cache()
+    return {"k": k, "weight_bytes": nbytes, "last_level_cache": None if llc is None else f"L{llc[0]}",
+            "last_level_cache_bytes": None if llc is None else llc[1],
+            "weights_fit_in_cache": None if llc is None else nbytes <= llc[1],
+            "one_token_ms": cost["one_token_ms"], "verify_ms": cost[f"{k + 1}_tokens_ms"],
+            "verify_over_one_token": cost["ratio"], "ceiling_speedup": (k + 1) / cost["ratio"]}
 
 
 def _ms_per_loop(fn, args, loops: int, reps: int) -> float:
