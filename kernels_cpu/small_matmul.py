@@ -2,10 +2,12 @@
 
 Why: a decode step or a speculative verification pass multiplies 1-8 rows by megabytes of weights.
 XLA:CPU's dot (every backend flag tried: Eigen, XNNPACK, oneDNN) costs about twice as much for
-5 rows as for 1 although both read the weight once (113 MB of [3072, 768] weights: 1 row 3.7 ms,
-5 rows 8.2-9.5 ms); `small_matmul.cc` streams each weight row once and multiplies it into all rows
-while it sits in registers, so 5 rows cost 4.8 ms. At 1 row XLA's matrix-vector product is the
-faster one (~15 %), so `dispatch.small_matmul` takes this kernel for 2-8 rows only.
+5 rows as for 1 although both read the weight once; `small_matmul.cc` streams each weight row once
+and multiplies it into all rows while it sits in registers. Measured on 113 MB of [out, in]
+weights: a 2-core AMD EPYC (AVX2, 32 MiB L3), 5 rows 4.8 ms against XLA's 8.2-9.5 (1 row 3.7); a
+2-core Intel Xeon (AVX-512, 300 MiB L3), 5 rows 4.4 against 4.8, but 8 rows 7.3 against 6.6 (XLA
+ahead there). At 1 row XLA's matrix-vector product is the faster one (~15 % on the EPYC), so
+`dispatch.small_matmul` takes this kernel for 2-8 rows (a range chosen on the EPYC).
 
 The C++ source is compiled on first use with the host's C++ compiler into a cache folder
 (``$RELF_JAX_KERNEL_CACHE``, else ``~/.cache/relf_jax/kernels``), keyed by the source, the flags,
