@@ -44,3 +44,24 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "q.png"
     plot(rows, (600,), str(path))
     assert path.stat().st_size > 1000
+
+
+def test_a_budget_whose_rows_are_all_in_out_is_not_retrained(monkeypatch):
+    """A rerun with more budgets keeps the rows it has: no training, no sampling for them."""
+    import experiments.bench.bd as bd
+
+    def refuse(*a, **k):
+        raise AssertionError("trained or sampled a budget whose rows were all there")
+
+    monkeypatch.setattr(bd.rj, "train", refuse)
+    monkeypatch.setattr(bd, "sample_bd", refuse)
+    keys = []
+    for t, rule, x in ((0.9, "max", 0.95), (1.0, "max", 0.95), (1.0, "sampled", 0.95), (1.0, "max", 0.7),
+                       (1.0, "max", 0.5)):
+        name = f"bd T={t:g}" + ("" if rule == "max" else " sampled-confidence") + ("" if x == 0.95 else f" thr={x:g}")
+        keys.append({"method": name, "variant": "bd", "train_steps": 600, "temperature": t, "confidence": rule,
+                     "threshold": x, "block_size": 8, "gen_ppl": 100.0, "entropy": 3.0, "mean_tokens": 30.0})
+    rows = bd._Rows("unused.json", "cpu", keys)
+    monkeypatch.setattr(bd, "write_json", lambda *a, **k: None)
+    bd._bd_rows(rows, "cpu", [], "/nonexistent", 600, "bd", [], 256, quick=False)
+    assert [r["method"] for r in rows.rows] == [k["method"] for k in keys]

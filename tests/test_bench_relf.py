@@ -192,3 +192,59 @@ def test_core_part_runs_alone():
     assert inspect.signature(bench_relf).parameters["parts"].default == DEFAULT_PARTS == ("models", "reflow",
                                                                                            "latency")
     assert CORE_VARIANTS["relf"] == [] and CORE_VARIANTS["plain"] == ["flow.blind_spot=false"]
+
+
+def _core_rows():
+    ar = [{"variant": "ar", "train_steps": s, "method": f"ar T={t}", "temperature": t, "entropy": e,
+           "gen_ppl": p * f, "nfe": None}
+          for s, f in ((600, 1.0), (1200, 0.5)) for t, e, p in ((0.8, 3.0, 100.0), (1.0, 3.4, 400.0))]
+    relf = [{"variant": "relf", "train_steps": s, "method": "relf stochastic", "nfe": 64, "entropy": 3.2,
+             "gen_ppl": p} for s, p in ((600, 400.0), (1200, 300.0))]
+    uni = {"variant": "reference", "train_steps": 0, "method": "positional unigram", "nfe": None,
+           "entropy": 3.1, "gen_ppl": 500.0}
+    return [uni, *ar, *relf]
+
+
+def test_core_targets_over_budgets():
+    from experiments.bench.relf_core import core_targets
+
+    t = core_targets(_core_rows(), {"ar": 2048.0, "relf": 1647.0}, (600, 1200))
+    m = t["steps600_relf_stochastic64_vs_ar_at_matched_entropy"]
+    assert m["ar_gen_ppl_interpolated"] == pytest.approx(200.0)  # halfway in log PPL: sqrt(100 * 400)
+    assert m["ratio"] == pytest.approx(2.0) and m["target"].startswith("<= 1.5")
+    assert t["steps1200_relf_stochastic64_vs_ar_at_matched_entropy"]["ratio"] == pytest.approx(3.0)
+    assert t["steps600_over_positional_unigram_gen_ppl"]["relf stochastic 64"] == pytest.approx(0.8)
+    assert t["by_budget"]["relf_stochastic64"]["1200"]["ratio_vs_ar"] == pytest.approx(3.0)
+    assert t["gen_ppl_falls_with_budget"] == {"relf_stochastic64": True}
+    rows = _core_rows()
+    rows[-1]["gen_ppl"] = 450.0
+    assert core_targets(rows, {}, (600, 1200))["gen_ppl_falls_with_budget"] == {"relf_stochastic64": False}
+    assert "by_budget" not in core_targets(rows, {}, (600,))
+
+
+def test_budget_plot_writes_a_png(tmp_path):
+    from experiments.bench.relf_core import budget_plot
+
+    path = tmp_path / "b.png"
+    bd = [{"label": "block diffusion", "train_steps": s, "gen_ppl": p} for s, p in ((600, 420.0), (1200, 380.0))]
+    budget_plot(_core_rows(), (600, 1200), str(path), bd)
+    assert path.stat().st_size > 1000
+
+
+def test_core_options_are_checked():
+    from experiments.bench.relf_core import bench_relf_core
+    from experiments.commands.bench import _bench_options
+    from experiments.launch import build_parser
+    from relf_jax.errors import UserError
+
+    with pytest.raises(UserError, match="variants must be among"):
+        bench_relf_core("unused.json", variants=["nope"])
+    parse = build_parser().parse_args
+    opts = _bench_options(parse(["bench", "relf", "--out", "x.json", "--parts", "core", "--budgets", "600,1200",
+                                 "--variants", "relf", "--ar-rows", "a.json"]))
+    assert opts == {"parts": ["core"], "budgets": [600, 1200], "variants": ["relf"], "ar_rows": "a.json"}
+    for argv in (["bench", "relf", "--out", "x.json", "--budgets", "600"],  # not the core part
+                 ["bench", "spec", "--out", "x.json", "--variants", "relf"],
+                 ["bench", "relf", "--out", "x.json", "--parts", "core", "--ablation"]):
+        with pytest.raises(UserError):
+            _bench_options(parse(argv))

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import numpy as np
 
 import relf_jax as rj
-from experiments.bench.common import text_tokens_per_step
+from experiments.bench.common import borrowed_ar_rows, text_tokens_per_step
 from experiments.bench.relf_variants import AR_TEMPERATURES, QUICK_AR_TEMPERATURES
 from relf_jax.config import make_config
 from relf_jax.data.prepare import prepare_data, prepare_tokenizer, row_mode
@@ -72,7 +72,7 @@ def bench_bd(out: str, quick: bool = False, workdir: str | None = None, override
     if os.path.exists(out):
         with open(out) as f:
             old = json.load(f).get("rows", [])
-    rows = _Rows(out, preset, old + _borrowed_rows(ar_rows, preset, n))
+    rows = _Rows(out, preset, old + borrowed_ar_rows(ar_rows, preset, n))
     layout = {}
     plans = [(steps, "bd", []) for steps in budgets]
     if ablation:
@@ -142,18 +142,6 @@ class _Rows:
         self.record(row)
 
 
-def _borrowed_rows(ar_rows: str | None, preset: str, n: int) -> list[dict]:
-    """The AR sweep rows of the `bench relf` report `ar_rows` (marked with ``source``), if given."""
-    if not ar_rows:
-        return []
-    with open(ar_rows) as f:
-        rep = json.load(f)
-    if rep.get("preset") != preset or rep.get("num_samples") != n:
-        raise ValueError(f"{ar_rows}: preset {rep.get('preset')!r} / {rep.get('num_samples')} samples, "
-                         f"this bench needs {preset!r} / {n}")
-    return [{**r, "source": os.path.basename(ar_rows)} for r in rep["rows"] if r.get("variant") == "ar"]
-
-
 def _layout(cfg, bd_cfg) -> dict:
     """Text tokens one optimizer step trains on, per family and row layout."""
     builder = prepare_data(cfg)
@@ -170,22 +158,23 @@ def _bd_rows(rows: _Rows, preset: str, overrides: Sequence[str], root: str, step
     rule and (the default layout) lower thresholds."""
     wd = os.path.join(root, f"steps{steps}" if variant == "bd" else f"steps{steps}_{variant}")
     bcfg = make_config(preset, [*overrides, f"train.steps={steps}", "model=bd", *extra], workdir=wd)
-    rj.train(bcfg)
-    lm = load_model(wd, "bd")
-    thr = lm.cfg.sample.threshold
+    thr = bcfg.sample.threshold
     runs = [(t, "max", thr) for t in (QUICK_BD_TEMPERATURES if quick else BD_TEMPERATURES)] + [(1.0, "sampled", thr)]
     runs += [(1.0, "max", x) for x in ((LOWER_THRESHOLDS[:1] if quick else LOWER_THRESHOLDS)
                                        if variant == "bd" else ())]
     if variant != "bd":
         runs = [(1.0, "max", thr), (1.0, "sampled", thr)]
-    for t, rule, x in runs:
-        sc = dataclasses.replace(lm.cfg.sample, temperature=t, confidence=rule, num_samples=n, threshold=x,
-                                 max_new_tokens=bcfg.data.seq_len - 1)
-        name = (f"bd T={t:g}" + ("" if rule == "max" else " sampled-confidence")
-                + ("" if x == thr else f" thr={x:g}"))
-        rows.measure({"method": name, "variant": variant, "train_steps": steps, "temperature": t, "confidence": rule,
-                      "threshold": sc.threshold, "block_size": lm.model_cfg.block_size},
-                     lambda sc=sc, lm=lm: sample_bd(lm, n=n, sample_cfg=sc))
+    keys = [{"method": f"bd T={t:g}" + ("" if rule == "max" else " sampled-confidence")
+             + ("" if x == thr else f" thr={x:g}"), "variant": variant, "train_steps": steps, "temperature": t,
+             "confidence": rule, "threshold": x, "block_size": bcfg.model.block_size} for t, rule, x in runs]
+    lm = None
+    if any(rows.have(**key) is None for key in keys):  # a budget whose rows are all in --out is not retrained
+        rj.train(bcfg)
+        lm = load_model(wd, "bd")
+    for key in keys:
+        rows.measure(key, lambda key=key: sample_bd(lm, n=n, sample_cfg=dataclasses.replace(
+            lm.cfg.sample, temperature=key["temperature"], confidence=key["confidence"], num_samples=n,
+            threshold=key["threshold"], max_new_tokens=bcfg.data.seq_len - 1)))
 
 
 def targets(rows: Sequence[dict], budgets: Sequence[int]) -> dict:

@@ -25,6 +25,21 @@ def find_row(rows, **kw):
     return None
 
 
+def borrowed_ar_rows(path: str | None, preset: str, n: int) -> list[dict]:
+    """The AR sweep rows of the bench report at `path` (`bench relf` or `bench bd`; same preset and
+    sample count), each marked with the ``source`` file it was measured for; [] without a path."""
+    import json
+
+    if not path:
+        return []
+    with open(path) as f:
+        rep = json.load(f)
+    if rep.get("preset") != preset or rep.get("num_samples") != n:
+        raise ValueError(f"{path}: preset {rep.get('preset')!r} / {rep.get('num_samples')} samples, "
+                         f"this bench needs {preset!r} / {n}")
+    return [{"source": os.path.basename(path), **r} for r in rep["rows"] if r.get("variant") == "ar"]
+
+
 def draft_steps(cfg) -> int:
     """The distillation steps of the demo's draft: half the target's."""
     return max(1, cfg.train.steps // 2)

@@ -79,13 +79,15 @@ from relf_jax.speculative.recipes import sample
 
 
 def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),
-               parts: Sequence[str] = DEFAULT_PARTS) -> dict:
+               parts: Sequence[str] = DEFAULT_PARTS, budgets: Sequence[int] | None = None,
+               variants: Sequence[str] | None = None, ar_rows: str | None = None) -> dict:
     """Runs the parts named in `parts`: "models" (the AR sweep, ReLF rows at both budgets,
     ablations, guidance, extensions, prompted replies, the unigram reference), "reflow" (two
     reflow rounds and two no-pairs control rounds of the plain and `REFLOW_EXTENSIONS` models,
     with rows before and after each) and "latency"; those three by default. "core" alone
     (`bench_relf_core`) is the issue-35 comparison at one budget: the unigram reference, the AR
-    sweep, the default ReLF and the paper's plain parametrisation, with text tokens per step."""
+    sweep, the default ReLF and the paper's plain parametrisation, with text tokens per step;
+    `budgets`, `variants` and `ar_rows` apply to it only (see `bench_relf_core`)."""
     from relf_jax.errors import UserError
 
     unknown = sorted(set(parts) - set(PARTS))
@@ -93,7 +95,10 @@ def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overri
         raise UserError(f"bench relf parts must be a non-empty subset of {', '.join(PARTS[:3])}, or core alone; "
                         f"got {list(parts)}")
     if "core" in parts:
-        return bench_relf_core(out, quick=quick, workdir=workdir, overrides=overrides)
+        return bench_relf_core(out, quick=quick, workdir=workdir, overrides=overrides, budgets=budgets,
+                               variants=variants, ar_rows=ar_rows)
+    if budgets or variants or ar_rows:
+        raise UserError("budgets, variants and ar_rows apply to bench relf --parts core only")
     return _ReLFBench(out, quick, workdir, overrides, parts).run()
 
 

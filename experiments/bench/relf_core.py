@@ -1,20 +1,35 @@
-"""`relf-jax bench relf --parts core`: issue 35's comparison at one budget."""
+"""`relf-jax bench relf --parts core`: issue 35's comparison, at one budget or a budget curve.
+
+For each budget (optimizer steps; ``train.steps`` of the preset unless `budgets` is given): the
+AR temperature sweep, the default ReLF (context-reading; 64-NFE stochastic, 16 / 8-NFE Euler),
+the paper's plain parametrisation (64-NFE stochastic) and the other `CORE_VARIANTS` (rows like
+the default's), all at the same optimizer steps, with the positional-unigram reference once.
+Text tokens per step are measured for each row layout and stated.
+
+Rows are written as they are measured. A rerun with the same `out` keeps the rows it finds there
+and trains / samples only what is missing (a model whose rows are all there is not retrained),
+so budgets can be added one run at a time. `ar_rows` (a `bench relf` or `bench bd` report of the
+same preset and sample count) supplies the AR sweep of the budgets it holds. With more than one
+budget a plot of gen PPL against budget is written next to `out` (``<out>_budget.png``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import time
 from collections.abc import Sequence
 
 import relf_jax as rj
-from experiments.bench.common import text_tokens_per_step
+from experiments.bench.common import borrowed_ar_rows, text_tokens_per_step
 from experiments.bench.relf_rows import result_row, run_dir
 from experiments.bench.relf_targets import ratio
 from experiments.bench.relf_variants import AR_TEMPERATURES, CORE_VARIANTS, QUICK_AR_TEMPERATURES
 from relf_jax.config import make_config
 from relf_jax.data.prepare import prepare_data, prepare_tokenizer, row_mode
+from relf_jax.errors import UserError
 from relf_jax.eval.baselines import ar_ppl_at_entropy, positional_unigram_samples
 from relf_jax.eval.evaluate import exact_judge
 from relf_jax.flow.generate import sample_relf
@@ -22,84 +37,207 @@ from relf_jax.io import write_json
 from relf_jax.loading import load_model
 from relf_jax.speculative.recipes import sample
 
+# the sampler rows of each ReLF model: (sampler, NFE); the plain parametrisation gets the first only
+SAMPLER_ROWS = (("stochastic", 64), ("euler", 16), ("euler", 8))
+
 
 def bench_relf_core(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),
-                    preset: str | None = None, num_samples: int | None = None) -> dict:
-    """Issue 35's comparison at one budget (``train.steps``): the positional-unigram reference,
-    the AR temperature sweep, the default ReLF (context-reading; 64-NFE stochastic, 16 / 8-NFE
-    Euler), the paper's plain parametrisation (64-NFE stochastic) and the other
-    `CORE_VARIANTS` (as the default's rows), at the same optimizer
-    steps; text tokens per step are measured for each row layout and stated. Targets: the
-    default ReLF-64's gen PPL over AR's at matched entropy (<= 1.5, and the paper's <= 1.0)."""
+                    preset: str | None = None, num_samples: int | None = None,
+                    budgets: Sequence[int] | None = None, variants: Sequence[str] | None = None,
+                    ar_rows: str | None = None) -> dict:
+    """Issue 35's comparison at each of `budgets` (default: the preset's ``train.steps``) for the
+    ReLF models of `variants` (names of `CORE_VARIANTS`, default all). Targets per budget: each
+    ReLF row's gen PPL over AR's at matched entropy (the default ReLF-64's: <= 1.5, the paper's
+    <= 1.0) and over the positional unigram's; across budgets: whether gen PPL falls."""
     preset = preset or ("tiny" if quick else "cpu")
+    variants = tuple(variants or CORE_VARIANTS)
+    unknown = sorted(set(variants) - set(CORE_VARIANTS))
+    if unknown:
+        raise UserError(f"bench relf core variants must be among {', '.join(CORE_VARIANTS)}; got {unknown}")
     root = os.path.abspath(workdir or os.path.join("runs", f"bench_relf_core_{preset}"))
     base = make_config(preset, list(overrides), workdir=os.path.join(root, "shared"))
-    builder = prepare_data(base)
-    tok = prepare_tokenizer(base, builder)
-    judge = exact_judge(base)
+    budgets = tuple(budgets or (base.train.steps,))
     n = num_samples or (32 if quick else 256)
-    steps = base.train.steps
+    run = _CoreRun(out, preset, n, root, base, overrides, ar_rows)
     t0 = time.perf_counter()
-    rows = []
-
-    def record(row):
-        rows.append(row)
-        write_json(out, {"preset": preset, "complete": False, "parts": ["core"], "rows": rows})
-        ppl = "   empty" if row["gen_ppl"] is None else f"{row['gen_ppl']:8.2f}"
-        print(f"[bench relf core] {row['train_steps']:>5} steps {row['method']:>32} nfe {row['nfe']!s:>4}: "
-              f"gen PPL {ppl}  entropy {row['entropy']:.2f}", flush=True)
-
     relf_cfg = make_config(preset, [*overrides, "model=relf"], workdir=root)
     tokens = {"ar": float(base.train.batch_size * base.data.seq_len),  # packed: every target is text
-              "relf": text_tokens_per_step(relf_cfg, builder, tok, row_mode(relf_cfg))}
+              "relf": text_tokens_per_step(relf_cfg, run.builder, run.tok, row_mode(relf_cfg))}
     print(f"[bench relf core] text tokens per step: AR {tokens['ar']:.0f}, ReLF {tokens['relf']:.0f}", flush=True)
-    uni = positional_unigram_samples(builder, tok, n, base.data.seq_len)
-    record(result_row(uni, judge, method="positional unigram", nfe=None, reflow_rounds=0, steps=0,
-                      variant="reference"))
-    wd = run_dir(root, f"steps{steps}", base)
-    rj.train(make_config(preset, [*overrides], workdir=wd))
-    ar_lm = load_model(wd, "ar")
-    for temperature in (QUICK_AR_TEMPERATURES if quick else AR_TEMPERATURES):
-        sc = dataclasses.replace(ar_lm.cfg.sample, temperature=temperature, top_k=0, top_p=1.0,
-                                 max_new_tokens=base.data.seq_len - 1, num_samples=n)
-        s = sample(ar_lm, n=n, sample_cfg=sc)
-        record(result_row(s, judge, method=f"ar T={temperature:g}", nfe=None, reflow_rounds=0, steps=steps,
-                          variant="ar", temperature=temperature, batch=sc.batch_size,
-                          text_tokens_per_step=tokens["ar"]))
-    for variant, extra in CORE_VARIANTS.items():
-        vwd = run_dir(root, f"steps{steps}_{variant}", base)
-        rj.train(make_config(preset, [*overrides, "model=relf", *extra], workdir=vwd))
-        lm = load_model(os.path.join(vwd, "relf"), "relf")
-        runs = [("stochastic", 64)] + ([("euler", 16), ("euler", 8)] if variant != "plain" else [])
-        text = tokens["relf"] if variant == "relf" else text_tokens_per_step(
-            lm.cfg, builder, tok, row_mode(lm.cfg))
-        for sampler, nfe in runs:
-            s = sample_relf(lm, n, nfe=nfe, sampler=sampler)
-            method = f"relf {sampler}" + ("" if variant == "relf" else f" {variant}")
-            record(result_row(s, judge, method=method, nfe=nfe, reflow_rounds=0, steps=steps, variant=variant,
-                              batch=lm.cfg.sample.batch_size, text_tokens_per_step=text))
-    tgt = core_targets(rows, tokens, steps)
-    report = {"preset": preset, "complete": True, "parts": ["core"], "num_samples": n, "budgets_steps": [steps],
-              "tokens_per_step": tokens, "rows": rows, "targets": tgt, "judge": judge.name,
-              "wall_s": time.perf_counter() - t0}
+    run.measure({"method": "positional unigram", "variant": "reference", "train_steps": 0, "nfe": None},
+                lambda: positional_unigram_samples(run.builder, run.tok, n, base.data.seq_len), reflow_rounds=0)
+    for steps in budgets:
+        run.ar_rows(steps, QUICK_AR_TEMPERATURES if quick else AR_TEMPERATURES, tokens["ar"])
+        for variant in variants:
+            run.relf_rows(steps, variant, tokens["relf"] if variant == "relf" else None)
+    tgt = core_targets(run.rows, tokens, budgets)
+    report = {"preset": preset, "complete": True, "parts": ["core"], "num_samples": n, "budgets_steps": list(budgets),
+              "tokens_per_step": tokens, "text_tokens": {f"{fam}_steps{s}": tokens[fam] * s for fam in tokens
+                                                          for s in budgets},
+              "rows": run.rows, "targets": tgt, "judge": run.judge.name, "wall_s": time.perf_counter() - t0}
     write_json(out, report)
+    if len(budgets) > 1:
+        budget_plot(run.rows, budgets, os.path.splitext(out)[0] + "_budget.png", bd_curve(ar_rows))
     print(json.dumps(tgt, indent=2))
     return report
 
 
-def core_targets(rows: Sequence[dict], tokens: dict, steps: int) -> dict:
-    """Each ReLF row's gen PPL over AR's at its entropy, and over the positional unigram's (the
-    first row)."""
-    ar_rows = [r for r in rows if r["variant"] == "ar" and r["gen_ppl"]]
-    tgt = {"text_tokens_per_step": tokens, "optimizer_steps": steps}
-    for r in rows:
-        if r["variant"] in CORE_VARIANTS and r["gen_ppl"]:
+class _CoreRun:
+    """The shared data of one run and its rows: those found in `out` (or `ar_rows`) are reused."""
+
+    def __init__(self, out, preset, n, root, base, overrides, ar_rows):
+        self.out, self.preset, self.n, self.root, self.base = out, preset, n, root, base
+        self.overrides = list(overrides)
+        self.builder = prepare_data(base)
+        self.tok = prepare_tokenizer(base, self.builder)
+        self.judge = exact_judge(base)
+        old = []
+        if os.path.exists(out):
+            with open(out) as f:
+                old = json.load(f).get("rows", [])
+        self.old, self.rows = old + borrowed_ar_rows(ar_rows, preset, n), []
+
+    def have(self, key: dict):
+        return next((r for r in self.old if all(r.get(k) == v for k, v in key.items())), None)
+
+    def measure(self, key: dict, draw, **extra) -> None:
+        """The row of `key`: found among the old rows, else `draw()`'s samples judged."""
+        row = self.have(key)
+        if row is None:
+            row = result_row(draw(), self.judge, method=key["method"], nfe=key["nfe"], steps=key["train_steps"],
+                             variant=key["variant"], **{k: v for k, v in key.items()
+                                                        if k not in ("method", "nfe", "train_steps", "variant")},
+                             **extra)
+        self.rows.append(row)
+        write_json(self.out, {"preset": self.preset, "complete": False, "parts": ["core"], "num_samples": self.n,
+                              "rows": self.rows})
+        ppl = "   empty" if row["gen_ppl"] is None else f"{row['gen_ppl']:8.2f}"
+        print(f"[bench relf core] {row['train_steps']:>5} steps {row['method']:>32} nfe {row['nfe']!s:>4}: "
+              f"gen PPL {ppl}  entropy {row['entropy']:.2f}" + (f"  (from {row['source']})" if row.get("source")
+                                                               else ""), flush=True)
+
+    def ar_rows(self, steps: int, temperatures: Sequence[float], tokens: float) -> None:
+        keys = [{"method": f"ar T={t:g}", "variant": "ar", "train_steps": steps, "nfe": None, "temperature": t}
+                for t in temperatures]
+        lm = None
+        if any(self.have(k) is None for k in keys):
+            wd = run_dir(self.root, f"steps{steps}", self.base)
+            rj.train(make_config(self.preset, [*self.overrides, f"train.steps={steps}"], workdir=wd))
+            lm = load_model(wd, "ar")
+        for key in keys:
+            self.measure(key, lambda t=key["temperature"]: sample(lm, n=self.n, sample_cfg=dataclasses.replace(
+                lm.cfg.sample, temperature=t, top_k=0, top_p=1.0, max_new_tokens=self.base.data.seq_len - 1,
+                num_samples=self.n)), reflow_rounds=0, batch=lm.cfg.sample.batch_size if lm else 8,
+                text_tokens_per_step=tokens)
+
+    def relf_rows(self, steps: int, variant: str, tokens: float | None) -> None:
+        runs = SAMPLER_ROWS if variant != "plain" else SAMPLER_ROWS[:1]
+        keys = [{"method": f"relf {s}" + ("" if variant == "relf" else f" {variant}"), "variant": variant,
+                 "train_steps": steps, "nfe": k} for s, k in runs]
+        if all(self.have(k) is not None for k in keys):
+            for key in keys:
+                self.measure(key, None)
+            return
+        vwd = run_dir(self.root, f"steps{steps}_{variant}", self.base)
+        rj.train(make_config(self.preset, [*self.overrides, f"train.steps={steps}", "model=relf",
+                                           *CORE_VARIANTS[variant]], workdir=vwd))
+        lm = load_model(os.path.join(vwd, "relf"), "relf")
+        text = tokens if tokens is not None else text_tokens_per_step(lm.cfg, self.builder, self.tok,
+                                                                      row_mode(lm.cfg))
+        for (sampler, nfe), key in zip(runs, keys, strict=True):
+            self.measure(key, lambda s=sampler, k=nfe: sample_relf(lm, self.n, nfe=k, sampler=s), reflow_rounds=0,
+                         batch=lm.cfg.sample.batch_size, text_tokens_per_step=text)
+
+
+def core_targets(rows: Sequence[dict], tokens: dict, budgets: Sequence[int]) -> dict:
+    """Per budget (keys ``steps{N}_...``): each ReLF row's gen PPL over AR's at its entropy (the AR
+    sweep of the same budget, interpolated) and over the positional unigram's (the reference row);
+    across budgets, per ReLF row kind: its gen PPL, entropy and ratio by budget and whether gen
+    PPL falls from each budget to the next."""
+    tgt = {"text_tokens_per_step": tokens, "optimizer_steps": list(budgets)}
+    uni_row = next((r for r in rows if r["variant"] == "reference"), None)
+    curves = {}
+    for steps in budgets:
+        ar_rows = [r for r in rows if r["variant"] == "ar" and r["train_steps"] == steps and r["gen_ppl"]]
+        relf = [r for r in rows if r["variant"] in CORE_VARIANTS and r["train_steps"] == steps and r["gen_ppl"]]
+        over_uni = {}
+        for r in relf:
+            name = f"{r['variant']}_{r['method'].split()[1]}{r['nfe']}"
+            over_uni[f"{r['method']} {r['nfe']}"] = ratio(r["gen_ppl"], uni_row["gen_ppl"] if uni_row else None)
+            if not ar_rows:
+                continue
             ppl, gap = ar_ppl_at_entropy(ar_rows, r["entropy"])
-            tgt[f"{r['variant']}_{r['method'].split()[1]}{r['nfe']}_vs_ar_at_matched_entropy"] = {
+            tgt[f"steps{steps}_{name}_vs_ar_at_matched_entropy"] = {
                 "relf_gen_ppl": r["gen_ppl"], "relf_entropy": r["entropy"], "ar_gen_ppl_interpolated": ppl,
                 "entropy_outside_ar_sweep_nats": gap, "ratio": ratio(r["gen_ppl"], ppl),
                 "target": "<= 1.5 (paper: <= 1.0)" if r["variant"] == "relf" and r["nfe"] == 64 else None}
-    uni_row = rows[0]
-    tgt["over_positional_unigram_gen_ppl"] = {r["method"] + f" {r['nfe']}": ratio(r["gen_ppl"], uni_row["gen_ppl"])
-                                              for r in rows if r["variant"] in CORE_VARIANTS}
+            curves.setdefault(name, {})[str(steps)] = {"gen_ppl": r["gen_ppl"], "entropy": r["entropy"],
+                                                       "ratio_vs_ar": ratio(r["gen_ppl"], ppl)}
+        tgt[f"steps{steps}_over_positional_unigram_gen_ppl"] = over_uni
+    if len(budgets) > 1:
+        tgt["by_budget"] = curves
+        tgt["gen_ppl_falls_with_budget"] = {
+            name: all(c[str(b)]["gen_ppl"] < c[str(a)]["gen_ppl"] for a, b in itertools.pairwise(budgets))
+            for name, c in curves.items() if all(str(s) in c for s in budgets)}
     return tgt
+
+
+def bd_curve(path: str | None) -> list[dict]:
+    """The default block-diffusion rows (T = 1, top-probability confidence, threshold 0.95) of the
+    `bench bd` report at `path`, labelled for `budget_plot`; [] for another report or none."""
+    if not path:
+        return []
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    return [{**r, "label": "block diffusion T=1 (bench bd)"} for r in rows
+            if r["variant"] == "bd" and r.get("confidence") == "max" and r.get("temperature") == 1.0
+            and r.get("threshold") == 0.95]
+
+
+def budget_plot(rows: Sequence[dict], budgets: Sequence[int], path: str, extra: Sequence[dict] = ()) -> None:
+    """Gen PPL against training budget: AR at T = 1 and 0.8, AR interpolated at the default
+    ReLF-64's entropy, each ReLF row kind, `extra` rows (e.g. block diffusion, with a ``label``) and
+    the positional-unigram reference as a dashed line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+
+    def line(pick, label, style):
+        pts = [(s, r["gen_ppl"]) for s in budgets for r in rows if r["train_steps"] == s and r["gen_ppl"] and pick(r)]
+        if pts:
+            ax.plot(*zip(*pts), style, ms=4, label=label)
+
+    for t in (1.0, 0.8):
+        line(lambda r, t=t: r["variant"] == "ar" and r.get("temperature") == t, f"AR T={t:g}", "-o")
+    matched = []
+    for s in budgets:
+        ar = [r for r in rows if r["variant"] == "ar" and r["train_steps"] == s and r["gen_ppl"]]
+        r64 = next((r for r in rows if r["variant"] == "relf" and r["nfe"] == 64 and r["train_steps"] == s
+                    and r["gen_ppl"]), None)
+        if ar and r64:
+            matched.append((s, ar_ppl_at_entropy(ar, r64["entropy"])[0]))
+    if matched:
+        ax.plot(*zip(*matched), ":o", ms=4, label="AR at the default ReLF-64's entropy")
+    for variant in CORE_VARIANTS:
+        for sampler, nfe in SAMPLER_ROWS:
+            name = "default ReLF" if variant == "relf" else f"ReLF {variant}"
+            line(lambda r, v=variant, k=nfe: r["variant"] == v and r["nfe"] == k,
+                 f"{name} {sampler} {nfe}", "-s" if nfe == 64 else "--^")
+    for label in dict.fromkeys(r["label"] for r in extra):
+        pts = sorted((r["train_steps"], r["gen_ppl"]) for r in extra if r["label"] == label and r["gen_ppl"])
+        ax.plot(*zip(*pts), "-D", ms=4, label=label)
+    uni = next((r for r in rows if r["variant"] == "reference" and r["gen_ppl"]), None)
+    if uni:
+        ax.axhline(uni["gen_ppl"], color="gray", ls="--", lw=1, label="positional unigram")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(list(budgets), [str(b) for b in budgets])
+    ax.set_xlabel("optimizer steps")
+    ax.set_ylabel("gen PPL (exact judge)")
+    ax.set_title("gen PPL by training budget")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)

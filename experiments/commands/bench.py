@@ -30,12 +30,17 @@ def bench_args(p):
                                                  "latency; default all")
     p.add_argument("--preset", default=None, help="bench spec only: the target's preset (default cpu; cpu-wide: "
                                                   "a target past the caches, with a small distilled draft)")
-    p.add_argument("--budgets", default=None, help="bench bd only: training budgets in steps, comma-separated "
-                                                   "(default 600,1200)")
+    p.add_argument("--budgets", default=None, help="bench bd and bench relf --parts core: training budgets in "
+                                                   "steps, comma-separated (bd default 600,1200; core default "
+                                                   "the preset's train.steps)")
+    p.add_argument("--variants", default=None, help="bench relf --parts core only: which ReLF models, "
+                                                    "comma-separated among relf (the default), plain, whiten; "
+                                                    "default all")
     p.add_argument("--ablation", action="store_true", help="bench bd only: also the old one-conversation-per-row "
                                                            "layout at the first budget")
-    p.add_argument("--ar-rows", default=None, help="bench bd only: a bench relf report whose AR sweep rows are "
-                                                   "used for the budgets it holds")
+    p.add_argument("--ar-rows", default=None, help="bench bd and bench relf --parts core: a bench relf or bd "
+                                                   "report (same preset and samples) whose AR sweep rows are used "
+                                                   "for the budgets it holds")
 
 
 def _bench_options(args) -> dict:
@@ -53,15 +58,23 @@ def _bench_options(args) -> dict:
         if args.quick:
             raise UserError("--preset and --quick are exclusive (--quick is the tiny preset)")
         extra["preset"] = args.preset
-    if args.budgets is not None or args.ablation or args.ar_rows:
+    core = args.which == "relf" and extra.get("parts") == ["core"]
+    if args.ablation:
         if args.which != "bd":
-            raise UserError("--budgets, --ablation and --ar-rows apply to bench bd only")
+            raise UserError("--ablation applies to bench bd only")
+        extra["ablation"] = True
+    if args.budgets is not None or args.ar_rows:
+        if args.which != "bd" and not core:
+            raise UserError("--budgets and --ar-rows apply to bench bd and bench relf --parts core only")
         extra["ar_rows"] = args.ar_rows
         try:
             extra["budgets"] = [int(x) for x in args.budgets.split(",")] if args.budgets else None
         except ValueError:
             raise UserError(f"--budgets must be comma-separated step counts, got {args.budgets!r}") from None
-        extra["ablation"] = args.ablation
+    if args.variants is not None:
+        if not core:
+            raise UserError("--variants applies to bench relf --parts core only")
+        extra["variants"] = [v.strip() for v in args.variants.split(",") if v.strip()]
     return extra
 
 
