@@ -99,6 +99,10 @@ def run_demo(quick: bool = False, workdir: Optional[str] = None, overrides: Sequ
             sc, batch_size=batch, num_samples=4 * batch, temperature=1.0))
         decode[str(batch)] = s.tokens_per_s
 
+    versus_unigram = over_positional_unigram(rows)
+    print("[demo] whole-sequence rows' gen PPL over the positional-unigram reference (< 1 beats it): "
+          + ", ".join(f"{m} x{v:.3f}" for m, v in versus_unigram.items()), flush=True)
+
     train_rows = [r for r in read_metrics(os.path.join(result.workdir, "metrics.jsonl")) if "tokens_per_s" in r]
     report = {
         "preset": preset,
@@ -108,12 +112,21 @@ def run_demo(quick: bool = False, workdir: Optional[str] = None, overrides: Sequ
                   "resumed_from": result.resumed_from},
         "decode_tokens_per_s": decode,
         "speculative_regime": regime,
+        "over_positional_unigram": versus_unigram,
         "judge": "exact synthetic_chat likelihood (words)",
         "examples": examples,
         "wall_s": time.perf_counter() - t_start,
     }
     _write_report(report, os.path.abspath(cfg.workdir))
     return report
+
+
+def over_positional_unigram(rows: list[dict]) -> dict:
+    """Each ReLF and block-diffusion row's gen PPL over the positional-unigram reference row's: a
+    whole-sequence model at or above 1 has learned nothing beyond per-position frequencies."""
+    uni = next(r for r in rows if r["method"] == UNIGRAM_REFERENCE)
+    return {r["method"]: r["gen_ppl"] / uni["gen_ppl"] for r in rows
+            if r["method"].startswith(("relf", "block diffusion"))}
 
 
 def _ar_rows(lm, judge, sc) -> tuple[list[dict], list[str]]:
@@ -247,7 +260,8 @@ def render_markdown(report: dict) -> str:
             f"{head}{body}\nTraining: {t['steps']} steps, final loss {_fmt(t['final_loss'], 3)}, eval loss "
             f"{_fmt(t['eval_loss'], 3)}, {_fmt(t['tokens_per_s'])} tokens/s.\n\nDecode tokens/s: batch 1 "
             f"{_fmt(report['decode_tokens_per_s']['1'])}, batch 8 {_fmt(report['decode_tokens_per_s']['8'])}.\n\n"
-            f"{_regime_md(report)}Samples (AR, T=1):\n{ex}\n\nWall time: {report['wall_s']:.1f} s.\n")
+            f"{_regime_md(report)}{_unigram_md(report)}Samples (AR, T=1):\n{ex}\n\n"
+            f"Wall time: {report['wall_s']:.1f} s.\n")
 
 
 def _regime_md(report: dict) -> str:
@@ -255,6 +269,16 @@ def _regime_md(report: dict) -> str:
     if regime is None:
         return ""
     return f"Speculative rows: {regime_sentence(regime, report['rows'])}.\n\n"
+
+
+def _unigram_md(report: dict) -> str:
+    versus = report.get("over_positional_unigram")
+    if not versus:
+        return ""
+    return ("Whole-sequence rows against the positional-unigram reference (gen PPL ratio; below 1 beats it, at "
+            "1 the model has learned only per-position frequencies): "
+            + ", ".join(f"{m} x{v:.3f}" for m, v in versus.items()) + ". Equal-budget comparisons: "
+            "`relf-jax bench relf --parts core` (docs/relf.md) and `relf-jax bench bd` (docs/block_diffusion.md).\n\n")
 
 
 def plot_quality(rows: list[dict], path: str) -> None:

@@ -34,6 +34,12 @@ def test_demo_quick_writes_report_and_reuses_its_cache(tmp_path, capsys):
     assert {"relf stochastic", "relf euler", "relf euler reflow2", "positional unigram (reference)"} <= set(methods)
     assert any(m.startswith("block diffusion d=8") for m in methods)
     assert [r["nfe"] for r in report["rows"] if r["method"].startswith("relf")] == [64, 16, 16]
+    uni = next(r for r in report["rows"] if r["method"] == "positional unigram (reference)")
+    versus = report["over_positional_unigram"]
+    assert set(versus) == {m for m in methods if m.startswith(("relf", "block diffusion"))}
+    assert versus["relf euler"] == pytest.approx(
+        next(r["gen_ppl"] for r in report["rows"] if r["method"] == "relf euler") / uni["gen_ppl"])
+    assert "over the positional-unigram reference" in out
     reflow = json.load(open(os.path.join(wd, "reflow.json")))
     assert [r["round"] for r in reflow] == [1, 2]
     for row in report["rows"]:
