@@ -65,3 +65,18 @@ def test_a_budget_whose_rows_are_all_in_out_is_not_retrained(monkeypatch):
     monkeypatch.setattr(bd, "write_json", lambda *a, **k: None)
     bd._bd_rows(rows, "cpu", [], "/nonexistent", 600, "bd", [], 256, quick=False)
     assert [r["method"] for r in rows.rows] == [k["method"] for k in keys]
+
+
+def test_borrowed_ar_rows_are_marked_and_checked(tmp_path):
+    import json
+
+    from experiments.bench.common import borrowed_ar_rows
+
+    path = tmp_path / "bd.json"
+    rows = _ar(600, [(3.0, 50.0), (3.2, 100.0), (3.4, 200.0)]) + [_bd(600, 1.0, 3.1, 120.0)]
+    path.write_text(json.dumps({"preset": "cpu", "num_samples": 256, "rows": rows}))
+    got = borrowed_ar_rows(str(path), "cpu", 256)
+    assert len(got) == 3 and all(r["source"] == "bd.json" and r["nfe"] is None for r in got)
+    assert borrowed_ar_rows(None, "cpu", 256) == []
+    with pytest.raises(ValueError, match="this bench needs"):
+        borrowed_ar_rows(str(path), "cpu", 128)

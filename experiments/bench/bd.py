@@ -5,8 +5,9 @@ steps; default 600 and 1,200 on the `cpu` preset, ``--budgets`` to change) it tr
 a block-diffusion model of the same width and depth on the same data, batch and row length, and
 samples whole conversations (unconditional, up to ``seq_len`` tokens) from both:
 
-- AR: the temperature sweep that block-diffusion rows are compared against at matched entropy
-  (AR gen PPL interpolated in log space at the row's entropy, `ar_ppl_at_entropy`);
+- AR: the temperature sweep (`AR_TEMPERATURES` and `AR_HIGH_TEMPERATURES`) that block-diffusion
+  rows are compared against at matched entropy (AR gen PPL interpolated in log space at the
+  row's entropy, `ar_ppl_at_entropy`);
 - block diffusion (block ``model.block_size``, threshold ``sample.threshold``): the default
   decoder (a position's confidence is its top probability) at temperatures `BD_TEMPERATURES`,
   the old commit rule (confidence of the sampled token) at T = 1, and lower thresholds
@@ -53,6 +54,9 @@ from relf_jax.speculative.recipes import sample
 
 BUDGETS = (600, 1200)
 BD_TEMPERATURES = (0.9, 1.0)
+# AR temperatures past `AR_TEMPERATURES`: the 1,200-step AR model's T = 1.1 samples sit at 3.20
+# nats, below the block-diffusion rows' 3.31-3.34, so the sweep goes on until it brackets them
+AR_HIGH_TEMPERATURES = (1.2, 1.3)
 QUICK_BD_TEMPERATURES = (1.0,)
 # lower thresholds at T = 1: what committing several positions per step costs on this corpus
 LOWER_THRESHOLDS = (0.7, 0.5)
@@ -84,7 +88,7 @@ def bench_bd(out: str, quick: bool = False, workdir: str | None = None, override
             rows.judge = exact_judge(cfg)
             layout = _layout(cfg, make_config(preset, [*overrides, "model=bd"], workdir=wd))
         ar_lm = None
-        for t in QUICK_AR_TEMPERATURES if quick else AR_TEMPERATURES:
+        for t in QUICK_AR_TEMPERATURES if quick else AR_TEMPERATURES + AR_HIGH_TEMPERATURES:
             key = {"method": f"ar T={t:g}", "variant": "ar", "train_steps": steps, "temperature": t}
             if ar_lm is None and rows.have(**key) is None:
                 rj.train(cfg)

@@ -37,7 +37,7 @@ def borrowed_ar_rows(path: str | None, preset: str, n: int) -> list[dict]:
     if rep.get("preset") != preset or rep.get("num_samples") != n:
         raise ValueError(f"{path}: preset {rep.get('preset')!r} / {rep.get('num_samples')} samples, "
                          f"this bench needs {preset!r} / {n}")
-    return [{"source": os.path.basename(path), **r} for r in rep["rows"] if r.get("variant") == "ar"]
+    return [{"source": os.path.basename(path), "nfe": None, **r} for r in rep["rows"] if r.get("variant") == "ar"]
 
 
 def draft_steps(cfg) -> int:

@@ -129,6 +129,11 @@ class _CoreRun:
                 lm.cfg.sample, temperature=t, top_k=0, top_p=1.0, max_new_tokens=self.base.data.seq_len - 1,
                 num_samples=self.n)), reflow_rounds=0, batch=lm.cfg.sample.batch_size if lm else 8,
                 text_tokens_per_step=tokens)
+        # a borrowed sweep may go on past `temperatures` (bench bd's AR_HIGH_TEMPERATURES): kept
+        for r in self.old:
+            if (r["variant"] == "ar" and r["train_steps"] == steps and r.get("temperature") not in temperatures
+                    and r.get("source") and r not in self.rows):
+                self.measure({k: r.get(k) for k in ("method", "variant", "train_steps", "nfe", "temperature")}, None)
 
     def relf_rows(self, steps: int, variant: str, tokens: float | None) -> None:
         runs = SAMPLER_ROWS if variant != "plain" else SAMPLER_ROWS[:1]
