@@ -95,7 +95,8 @@ class _CoreRun:
         if os.path.exists(out):
             with open(out) as f:
                 old = json.load(f).get("rows", [])
-        self.old, self.rows = old + borrowed_ar_rows(ar_rows, preset, n), []
+        self.old = [{"nfe": None, **r} for r in old] + borrowed_ar_rows(ar_rows, preset, n)
+        self.rows = []
 
     def have(self, key: dict):
         return next((r for r in self.old if all(r.get(k) == v for k, v in key.items())), None)
