@@ -248,3 +248,22 @@ def test_core_options_are_checked():
                  ["bench", "relf", "--out", "x.json", "--parts", "core", "--ablation"]):
         with pytest.raises(UserError):
             _bench_options(parse(argv))
+
+
+def test_core_run_reuses_rows_and_keeps_a_borrowed_sweeps_extra_temperatures(tmp_path, monkeypatch):
+    """Every AR row of a budget found in --out or a borrowed report: nothing trained, each
+    temperature once, the borrowed sweep's T = 1.2 kept."""
+    import experiments.bench.relf_core as core
+
+    monkeypatch.setattr(core.rj, "train", lambda *a, **k: pytest.fail("trained a budget whose rows were all there"))
+    run = object.__new__(core._CoreRun)
+    run.out, run.preset, run.n, run.rows = str(tmp_path / "core.json"), "cpu", 4, []
+
+    def ar(t, source=None):
+        return {"method": f"ar T={t:g}", "variant": "ar", "train_steps": 600, "nfe": None, "temperature": t,
+                "gen_ppl": 100.0 * t, "entropy": 3.0 + t / 10, **({"source": source} if source else {})}
+
+    # the same borrowed rows twice (read back from --out and borrowed again), one extra temperature
+    run.old = [ar(0.8, "bd.json"), ar(1.0, "bd.json"), ar(1.2, "bd.json"), ar(0.8, "bd.json"), ar(1.2, "bd.json")]
+    run.ar_rows(600, (0.8, 1.0), 2048.0)
+    assert [r["temperature"] for r in run.rows] == [0.8, 1.0, 1.2]

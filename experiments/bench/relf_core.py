@@ -132,8 +132,9 @@ class _CoreRun:
                 text_tokens_per_step=tokens)
         # a borrowed sweep may go on past `temperatures` (bench bd's AR_HIGH_TEMPERATURES): kept
         for r in self.old:
-            if (r["variant"] == "ar" and r["train_steps"] == steps and r.get("temperature") not in temperatures
-                    and r.get("source") and r not in self.rows):
+            kept = {x.get("temperature") for x in self.rows if x["variant"] == "ar" and x["train_steps"] == steps}
+            if (r["variant"] == "ar" and r["train_steps"] == steps and r.get("temperature") not in kept
+                    and r.get("source")):
                 self.measure({k: r.get(k) for k in ("method", "variant", "train_steps", "nfe", "temperature")}, None)
 
     def relf_rows(self, steps: int, variant: str, tokens: float | None) -> None:
