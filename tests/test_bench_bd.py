@@ -61,9 +61,9 @@ def test_a_budget_whose_rows_are_all_in_out_is_not_retrained(monkeypatch):
         name = f"bd T={t:g}" + ("" if rule == "max" else " sampled-confidence") + ("" if x == 0.95 else f" thr={x:g}")
         keys.append({"method": name, "variant": "bd", "train_steps": 600, "temperature": t, "confidence": rule,
                      "threshold": x, "block_size": 8, "gen_ppl": 100.0, "entropy": 3.0, "mean_tokens": 30.0})
-    rows = bd._Rows("unused.json", "cpu", keys)
+    rows = bd.BenchRows("unused.json", "cpu", keys)
     monkeypatch.setattr(bd, "write_json", lambda *a, **k: None)
-    bd._bd_rows(rows, "cpu", [], "/nonexistent", 600, "bd", [], 256, quick=False)
+    bd.bd_rows(rows, "cpu", [], "/nonexistent", 600, "bd", [], 256, quick=False)
     assert [r["method"] for r in rows.rows] == [k["method"] for k in keys]
 
 

@@ -233,21 +233,21 @@ def test_budget_plot_writes_a_png(tmp_path):
 
 def test_core_options_are_checked():
     from experiments.bench.relf_core import bench_relf_core
-    from experiments.commands.bench import _bench_options
+    from experiments.commands.bench import bench_options
     from experiments.launch import build_parser
     from relf_jax.errors import UserError
 
     with pytest.raises(UserError, match="variants must be among"):
         bench_relf_core("unused.json", variants=["nope"])
     parse = build_parser().parse_args
-    opts = _bench_options(parse(["bench", "relf", "--out", "x.json", "--parts", "core", "--budgets", "600,1200",
+    opts = bench_options(parse(["bench", "relf", "--out", "x.json", "--parts", "core", "--budgets", "600,1200",
                                  "--variants", "relf", "--ar-rows", "a.json"]))
     assert opts == {"parts": ["core"], "budgets": [600, 1200], "variants": ["relf"], "ar_rows": "a.json"}
     for argv in (["bench", "relf", "--out", "x.json", "--budgets", "600"],  # not the core part
                  ["bench", "spec", "--out", "x.json", "--variants", "relf"],
                  ["bench", "relf", "--out", "x.json", "--parts", "core", "--ablation"]):
         with pytest.raises(UserError):
-            _bench_options(parse(argv))
+            bench_options(parse(argv))
 
 
 def test_core_run_reuses_rows_and_keeps_a_borrowed_sweeps_extra_temperatures(tmp_path, monkeypatch):
@@ -256,7 +256,7 @@ def test_core_run_reuses_rows_and_keeps_a_borrowed_sweeps_extra_temperatures(tmp
     import experiments.bench.relf_core as core
 
     monkeypatch.setattr(core.rj, "train", lambda *a, **k: pytest.fail("trained a budget whose rows were all there"))
-    run = object.__new__(core._CoreRun)
+    run = object.__new__(core.CoreRun)
     run.out, run.preset, run.n, run.rows = str(tmp_path / "core.json"), "cpu", 4, []
 
     def ar(t, source=None):

@@ -76,7 +76,7 @@ def bench_bd(out: str, quick: bool = False, workdir: str | None = None, override
     if os.path.exists(out):
         with open(out) as f:
             old = json.load(f).get("rows", [])
-    rows = _Rows(out, preset, old + borrowed_ar_rows(ar_rows, preset, n))
+    rows = BenchRows(out, preset, old + borrowed_ar_rows(ar_rows, preset, n))
     layout = {}
     plans = [(steps, "bd", []) for steps in budgets]
     if ablation:
@@ -97,7 +97,7 @@ def bench_bd(out: str, quick: bool = False, workdir: str | None = None, override
                                      max_new_tokens=cfg.data.seq_len - 1, num_samples=n)
             rows.measure(key, lambda sc=sc, ar_lm=ar_lm: sample(ar_lm, n=n, sample_cfg=sc))
     for steps, variant, extra in plans:
-        _bd_rows(rows, preset, overrides, root, steps, variant, extra, n, quick)
+        bd_rows(rows, preset, overrides, root, steps, variant, extra, n, quick)
     base = make_config(preset, list(overrides))
     report = {"preset": preset, "complete": True, "num_samples": n, "budgets_steps": list(budgets),
               "text_tokens_per_step": layout,
@@ -111,7 +111,7 @@ def bench_bd(out: str, quick: bool = False, workdir: str | None = None, override
     return report
 
 
-class _Rows:
+class BenchRows:
     """The rows of one run, written to `out` as each is measured; a row found in `old` (same keys)
     is taken from there instead of measured again."""
 
@@ -156,7 +156,7 @@ def _layout(cfg, bd_cfg) -> dict:
             "bd_documents": text_tokens_per_step(bd_cfg, builder, tok, "documents", 1, batches=20)}
 
 
-def _bd_rows(rows: _Rows, preset: str, overrides: Sequence[str], root: str, steps: int, variant: str,
+def bd_rows(rows: BenchRows, preset: str, overrides: Sequence[str], root: str, steps: int, variant: str,
              extra: Sequence[str], n: int, quick: bool) -> None:
     """A block-diffusion model of `variant` at `steps`: its rows at each temperature, the old commit
     rule and (the default layout) lower thresholds."""

@@ -58,7 +58,7 @@ def bench_relf_core(out: str, quick: bool = False, workdir: str | None = None, o
     base = make_config(preset, list(overrides), workdir=os.path.join(root, "shared"))
     budgets = tuple(budgets or (base.train.steps,))
     n = num_samples or (32 if quick else 256)
-    run = _CoreRun(out, preset, n, root, base, overrides, ar_rows)
+    run = CoreRun(out, preset, n, root, base, overrides, ar_rows)
     t0 = time.perf_counter()
     relf_cfg = make_config(preset, [*overrides, "model=relf"], workdir=root)
     tokens = {"ar": float(base.train.batch_size * base.data.seq_len),  # packed: every target is text
@@ -82,7 +82,7 @@ def bench_relf_core(out: str, quick: bool = False, workdir: str | None = None, o
     return report
 
 
-class _CoreRun:
+class CoreRun:
     """The shared data of one run and its rows: those found in `out` (or `ar_rows`) are reused."""
 
     def __init__(self, out, preset, n, root, base, overrides, ar_rows):

@@ -43,7 +43,7 @@ def bench_args(p):
                                                    "for the budgets it holds")
 
 
-def _bench_options(args) -> dict:
+def bench_options(args) -> dict:
     """The keywords of the bench-specific options, checked against the bench they apply to."""
     from relf_jax.errors import UserError
 
@@ -81,6 +81,6 @@ def _bench_options(args) -> dict:
 def bench(args) -> int:
     from experiments.bench import bench_function
 
-    extra = _bench_options(args)
+    extra = bench_options(args)
     bench_function(args.which)(args.out, quick=args.quick, workdir=args.workdir, overrides=args.overrides, **extra)
     return 0
