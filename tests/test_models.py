@@ -114,6 +114,28 @@ def test_conditioned_block_starts_equal_to_unconditioned():
     assert float(jnp.abs(y2 - y0).max()) > 1e-3
 
 
+def test_block_attending_to_a_context_equals_attention_over_the_concatenation():
+    """A block's `context` (keys and values from another sequence, no output for it) computes,
+    for its own positions, what the block computes on [context; x] with the same mask rows."""
+    kw = dict(d_model=16, num_heads=2, num_kv_heads=2, head_dim=8, mlp_dim=32, cond_dim=4)
+    blk = TransformerBlock(**kw, rngs=nnx.Rngs(0))
+    blk.modulation[...] = 0.1 * jax.random.normal(jax.random.key(2), blk.modulation.shape)
+    b, s, t = 2, 6, 4
+    ctx, x = jax.random.normal(jax.random.key(0), (b, s, 16)), jax.random.normal(jax.random.key(1), (b, t, 16))
+    ctx_pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+    pos = jnp.broadcast_to(jnp.arange(t) + 1, (b, t))
+    mask = jax.random.bernoulli(jax.random.key(3), 0.6, (b, t, s + t)).at[:, :, s:].set(jnp.eye(t, dtype=bool))
+    cond = jax.random.normal(jax.random.key(4), (b, 4))
+    y = nnx.jit(lambda blk: blk(x, pos, mask, cond=cond, context=(ctx, ctx_pos, cond))[0])(blk)
+    full_mask = jnp.concatenate([jnp.ones((b, s, s + t), bool), mask], axis=1)
+    full = nnx.jit(lambda blk: blk(jnp.concatenate([ctx, x], 1), jnp.concatenate([ctx_pos, pos], 1), full_mask,
+                                   cond=cond)[0])(blk)
+    np.testing.assert_allclose(y, full[:, s:], atol=1e-5)
+    # the context is read: moving it moves the output
+    y2 = nnx.jit(lambda blk: blk(x, pos, mask, cond=cond, context=(ctx + 1.0, ctx_pos, cond))[0])(blk)
+    assert float(jnp.abs(y2 - y).max()) > 1e-3
+
+
 def test_parameters_carry_logical_axes(tiny_model):
     _, params = tiny_model
     axes = [v.get_metadata().get("logical_axes") for v in jax.tree.leaves(

@@ -338,16 +338,17 @@ def test_a_reflow_round_is_reused_only_under_its_own_settings(tmp_path):
 
 def _generic(model):
     """Non-zero modulation and output head: a generic network rather than a fresh one."""
-    blocks = [*model.blocks, *(model.blocks_bwd if model.blind_spot else [])]
+    blocks = [*model.blocks, *((*model.blocks_bwd, *model.query_blocks) if model.blind_spot else [])]
     for i, block in enumerate(blocks):
         block.modulation[...] = 0.1 * jax.random.normal(jax.random.key(40 + i), block.modulation.shape)
     model.out[...] = 0.1 * jax.random.normal(jax.random.key(5), model.out.shape)
     return model
 
 
-@pytest.mark.parametrize("blind_spot", [False, True])
-def test_packed_segments_never_attend_across(blind_spot):
-    cfg = dataclasses.replace(_cfg().model, vocab_size=61, flow_blind_spot=blind_spot)
+@pytest.mark.parametrize("blind_spot, query_layers", [(False, 0), (True, 0), (True, 2)])
+def test_packed_segments_never_attend_across(blind_spot, query_layers):
+    cfg = dataclasses.replace(_cfg().model, vocab_size=61, flow_blind_spot=blind_spot,
+                              num_layers=2 + query_layers, flow_query_layers=query_layers)
     g, p = nnx.split(_generic(build_model(cfg, nnx.Rngs(0))))
     seg = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1, 1, 1]], jnp.int32)
     z = jax.random.normal(jax.random.key(3), (2, 8, 8))
@@ -385,14 +386,18 @@ def test_flow_loss_on_packed_rows_is_spent_on_text_only():
     assert abs(float(run(tokens.at[0, 6].set(8))[0]) - float(loss)) > 1e-5  # a text token does
 
 
-@pytest.mark.parametrize("evidence", [False, True])
-def test_default_relf_reads_its_context_exactly_by_gradient(evidence):
+@pytest.mark.parametrize("evidence, query_layers", [(False, 0), (True, 0), (False, 2)])
+def test_default_relf_reads_its_context_exactly_by_gradient(evidence, query_layers):
     """The default network's output at i has zero gradient w.r.t. Z_i and a non-zero one w.r.t.
     its neighbours (segment-packed row: nothing from the other segment either); so has the
-    network that also reads each position's own evidence (a function of Z_j alone)."""
+    network that also reads each position's own evidence (a function of Z_j alone), and the one
+    with query layers over both streams."""
     cfg = make_config("tiny", ["model=relf"]).model
     assert cfg.flow_blind_spot
-    model = _generic(build_model(dataclasses.replace(cfg, vocab_size=61, flow_evidence_input=evidence), nnx.Rngs(0)))
+    cfg = dataclasses.replace(cfg, vocab_size=61, flow_evidence_input=evidence,
+                              num_layers=cfg.num_layers + query_layers, flow_query_layers=query_layers)
+    model = _generic(build_model(cfg, nnx.Rngs(0)))
+    assert len(model.query_blocks) == query_layers and len(model.blocks) == len(model.blocks_bwd) == 1
     g, p = nnx.split(model)
     z = jax.random.normal(jax.random.key(3), (1, 7, cfg.flow_embed_dim))
     sc = jnp.zeros_like(z)

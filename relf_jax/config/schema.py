@@ -71,6 +71,12 @@ class ModelConfig:
     # relf_jax.models.flow_lm). Training sets it from flow.blind_spot, which trains it as the
     # context classifier p(x_i | Z_{-i}); False is the paper's plain bidirectional network.
     flow_blind_spot: bool = True
+    # relf, blind-spot network: of model.num_layers, this many are query layers on top of the two
+    # streams (our construction): position i's query attends to every left-stream state j < i and
+    # every right-stream state j > i at once (and to itself), so it mixes both sides' tokens in
+    # attention; the streams get (num_layers - flow_query_layers) / 2 layers each. 0: the streams
+    # are read at i - 1 and i + 1 only, through one MLP block.
+    flow_query_layers: int = 0
     # relf: each position's own evidence as an extra input (our extension): the log of its
     # singular posterior, clip(log softmax(s(Z_j, t)), -10) / 10 [V], projected; a function of Z_j
     # alone, so a blind-spot network stays blind. Needs the embeddings at call time (`table=`).
@@ -296,9 +302,12 @@ class Config:
         _check(fl.aux_weight >= 0, "flow.aux_weight must be >= 0")
         _check(0 <= fl.per_position_t <= 1, "flow.per_position_t must be in [0, 1]")
         _check(fl.window >= 1, "flow.window (the Hellinger co-occurrence window) must be >= 1")
-        _check(m.family != "relf" or not fl.blind_spot or (m.num_layers >= 2 and m.num_layers % 2 == 0),
-               f"the default ReLF (flow.blind_spot=true) splits model.num_layers between two streams: it needs "
-               f"an even number >= 2, got {m.num_layers} (or set flow.blind_spot=false)")
+        stream_layers = m.num_layers - m.flow_query_layers
+        _check(m.family != "relf" or not fl.blind_spot or (stream_layers >= 2 and stream_layers % 2 == 0
+                                                           and m.flow_query_layers >= 0),
+               f"the default ReLF (flow.blind_spot=true) splits model.num_layers - model.flow_query_layers between "
+               f"two streams: it needs an even number >= 2, got {m.num_layers} - {m.flow_query_layers} (or set "
+               f"flow.blind_spot=false)")
         sp = self.speculative
         _check(sp.k >= 1, f"speculative.k must be >= 1, got {sp.k}")
         _check(0 < sp.nsd_top_p <= 1, f"speculative.nsd_top_p must be in (0, 1], got {sp.nsd_top_p}")

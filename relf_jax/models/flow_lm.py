@@ -31,7 +31,11 @@ projected, time-conditioned and passed through one MLP block. Trained as the cla
 p(x_i | Z_{-i}) (`flow.losses`, ``context_loss``), its output added to the singular logits
 log p(Z_i | x_i) gives the exact posterior, since Z_i and Z_{-i} are independent given x_i.
 Self-conditioning still leaks a little of z_i through the neighbours' sc (each neighbour's
-X1_hat was computed from all of Z).
+X1_hat was computed from all of Z). With ``cfg.flow_query_layers`` = q > 0 the streams get
+(num_layers - q) / 2 layers each and q query layers follow the MLP block: position i's query
+attends to the left stream's states at every j < i and the right stream's at every j > i in one
+softmax (and to itself, never to another query), so both sides' tokens mix in attention rather
+than only through i - 1 and i + 1; still blind to position i.
 
 With ``cfg.flow_evidence_input`` (our extension, off) each position's own evidence, the clipped
 log of its singular posterior, is a further input (``evidence=``, computed by
@@ -98,9 +102,11 @@ class FlowLM(nnx.Module):
         self.time_out = make_param(rngs, jax.nn.initializers.normal(stddev=d ** -0.5), (d, d),
                                    ("embed", None), pdtype)
         self.blind_spot = bool(cfg.flow_blind_spot)
-        if self.blind_spot and (cfg.num_layers < 2 or cfg.num_layers % 2):
-            raise ValueError(f"a blind-spot ReLF network splits model.num_layers between two streams: it needs an "
-                             f"even number >= 2, got {cfg.num_layers}")
+        query_layers = cfg.flow_query_layers if self.blind_spot else 0
+        stream_layers = cfg.num_layers - query_layers
+        if self.blind_spot and (query_layers < 0 or stream_layers < 2 or stream_layers % 2):
+            raise ValueError(f"a blind-spot ReLF network splits model.num_layers - model.flow_query_layers between "
+                             f"two streams: it needs an even number >= 2, got {cfg.num_layers} - {query_layers}")
 
         def stack(n):
             return nnx.List([
@@ -110,9 +116,10 @@ class FlowLM(nnx.Module):
                 for _ in range(n)
             ])
         # blind spot: `blocks` is the left-to-right stream, `blocks_bwd` the right-to-left one
-        self.blocks = stack(cfg.num_layers // 2 if self.blind_spot else cfg.num_layers)
+        self.blocks = stack(stream_layers // 2 if self.blind_spot else cfg.num_layers)
         if self.blind_spot:
-            self.blocks_bwd = stack(cfg.num_layers // 2)
+            self.blocks_bwd = stack(stream_layers // 2)
+            self.query_blocks = stack(query_layers)
             self.combine_in = make_param(rngs, jax.nn.initializers.normal(stddev=(2 * d) ** -0.5), (2 * d, d),
                                          (None, "embed"), pdtype)
             self.combine_norm = RMSNorm(d, eps=cfg.norm_eps, rngs=rngs, param_dtype=pdtype)
@@ -200,4 +207,23 @@ class FlowLM(nnx.Module):
         h = jnp.concatenate([left, right], axis=-1) @ self.combine_in[...].astype(left.dtype)
         h = h + (cond[:, None, :] if cond.ndim == 2 else cond).astype(h.dtype)
         h = h + self.combine_mlp(self.combine_norm(h)).astype(h.dtype)
+        if len(self.query_blocks):
+            h = self._query_layers(h, fwd, bwd, positions, cond, segment_ids, idx)
         return self.final_norm(h).astype(jnp.float32)
+
+    def _query_layers(self, h, fwd, bwd, positions, cond, segment_ids, idx):
+        """Query layers over the streams' final states: query i attends to left-stream states
+        j < i, right-stream states j > i (both in i's segment; each holds inputs on i's side only)
+        and to itself; never to another query, whose inputs include position i's."""
+        length = h.shape[1]
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        left = same & (idx[:, None, :] < idx[:, :, None])
+        right = same & (idx[:, None, :] > idx[:, :, None])
+        self_only = jnp.broadcast_to(jnp.eye(length, dtype=bool), left.shape)
+        mask = jnp.concatenate([left, right, self_only], axis=-1)  # [B, L, 2L + L]
+        ctx = jnp.concatenate([fwd, bwd], axis=1)
+        ctx_cond = cond if cond.ndim == 2 else jnp.concatenate([cond, cond], axis=1)
+        context = (ctx, jnp.concatenate([positions, positions], axis=1), ctx_cond)
+        for block in self.query_blocks:
+            h, _ = block(h, positions, mask, cond=cond, context=context)
+        return h

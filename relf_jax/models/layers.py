@@ -250,6 +250,24 @@ class Attention(nnx.Module):
             self.bk = make_param(rngs, zeros, (num_kv_heads, head_dim), ("kv_heads", "head_dim"), param_dtype)
             self.bv = make_param(rngs, zeros, (num_kv_heads, head_dim), ("kv_heads", "head_dim"), param_dtype)
 
+    def _project(self, x: jax.Array, weights, biases) -> list[jax.Array]:
+        """x [B, T, D] through each [D, H, Dh] weight (``out_in``: stored [H, Dh, D]) -> [B, T, H, Dh]."""
+        dt = self.dtype
+        if self.layout == "in_out":
+            out = [jnp.einsum("btd,dhk->bthk", x, w[...].astype(dt)) for w in weights]
+        else:  # [H, Dh, D] as one [H * Dh, D] matrix: a 3-D contraction would make XLA:CPU transpose it
+            out = [dense(x, w[...].astype(dt).reshape(-1, w.shape[-1]), "out_in").reshape(*x.shape[:2], *w.shape[:2])
+                   for w in weights]
+        if self.qkv_bias:
+            out = [y + getattr(self, b)[...].astype(dt) for y, b in zip(out, biases)]
+        return out
+
+    def keys_values(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The keys (rotated) and values [B, K, S, Dh] this layer computes for inputs x [B, S, D] at
+        `positions` [B, S]: what a cache holds, for attending to a sequence the queries do not come from."""
+        k, v = self._project(x.astype(self.dtype), (self.wk, self.wv), ("bk", "bv"))
+        return jnp.swapaxes(apply_rope(k, positions, self.rope), 1, 2), jnp.swapaxes(v, 1, 2)
+
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array,
                  cache: Optional[tuple[jax.Array, jax.Array]] = None,
                  cache_index: Optional[jax.Array] = None, rope_len: Optional[jax.Array] = None):
@@ -262,13 +280,7 @@ class Attention(nnx.Module):
         """
         dt = self.dtype
         x = x.astype(dt)
-        if self.layout == "in_out":
-            q, k, v = (jnp.einsum("btd,dhk->bthk", x, w[...].astype(dt)) for w in (self.wq, self.wk, self.wv))
-        else:  # [H, Dh, D] as one [H * Dh, D] matrix: a 3-D contraction would make XLA:CPU transpose it
-            q, k, v = (dense(x, w[...].astype(dt).reshape(-1, w.shape[-1]), "out_in")
-                       .reshape(*x.shape[:2], *w.shape[:2]) for w in (self.wq, self.wk, self.wv))
-        if self.qkv_bias:
-            q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
+        q, k, v = self._project(x, (self.wq, self.wk, self.wv), ("bq", "bk", "bv"))
         q = apply_rope(q, positions, self.rope, rope_len)
         k = jnp.swapaxes(apply_rope(k, positions, self.rope, rope_len), 1, 2)  # [B, K, T, Dh]
         v = jnp.swapaxes(v, 1, 2)
@@ -358,24 +370,44 @@ class TransformerBlock(nnx.Module):
                                          (None, None, "embed"), param_dtype)
 
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array, *,
-                 cond: Optional[jax.Array] = None, cache=None, cache_index=None, rope_len=None):
+                 cond: Optional[jax.Array] = None, cache=None, cache_index=None, rope_len=None,
+                 context: Optional[tuple] = None):
+        """`context` (x_ctx [B, S, D], positions [B, S], cond [B, cond_dim] or [B, S, cond_dim] or
+        None): a further sequence the queries attend to (keys and values from this block's norm and
+        projections, no output for it); `mask` is then [B, T, S + T], the context's S keys first."""
+        if context is not None:
+            if cache is not None:
+                raise ValueError("a block attends to a context or to a cache, not both")
+            x_ctx, ctx_pos, ctx_cond = context
+            k_ctx, v_ctx = self.attn.keys_values(self._attn_input(x_ctx, ctx_cond)[0], ctx_pos)
+            pad = ((0, 0), (0, 0), (0, x.shape[1]), (0, 0))
+            cache = (jnp.pad(k_ctx, pad), jnp.pad(v_ctx, pad))
+            cache_index = jnp.full((x.shape[0],), x_ctx.shape[1], jnp.int32)
+        h, gates = self._attn_input(x, cond)
+        a, cache = self.attn(h, positions, mask, cache, cache_index, rope_len)
+        if context is not None:
+            cache = None
         if self.cond_dim:
-            if cond is None:
-                raise ValueError("this block was built with cond_dim > 0 and needs `cond`")
-            c = cond.astype(jnp.float32)
-            c = c[:, None, :] if c.ndim == 2 else c  # [B, 1 or L, cond_dim]
-            mod = jnp.einsum("blc,cmd->blmd", c, self.modulation[...].astype(jnp.float32))
-            shift1, scale1, gate1, shift2, scale2, gate2 = [mod[:, :, i, :] for i in range(6)]
-            h = self.attn_norm(x) * (1 + scale1) + shift1
-            a, cache = self.attn(h, positions, mask, cache, cache_index, rope_len)
+            gate1, shift2, scale2, gate2 = gates
             x = x + ((1 + gate1) * a).astype(x.dtype)
             h = self.mlp_norm(x) * (1 + scale2) + shift2
             x = x + ((1 + gate2) * self.mlp(h)).astype(x.dtype)
         else:
-            a, cache = self.attn(self.attn_norm(x), positions, mask, cache, cache_index, rope_len)
             x = x + a.astype(x.dtype)
             x = x + self.mlp(self.mlp_norm(x)).astype(x.dtype)
         return constrain(x, ("batch", "length", "embed")), cache
+
+    def _attn_input(self, x: jax.Array, cond: Optional[jax.Array]):
+        """(the attention's input, the rest of the modulation: gate1, shift2, scale2, gate2 or None)."""
+        if not self.cond_dim:
+            return self.attn_norm(x), None
+        if cond is None:
+            raise ValueError("this block was built with cond_dim > 0 and needs `cond`")
+        c = cond.astype(jnp.float32)
+        c = c[:, None, :] if c.ndim == 2 else c  # [B, 1 or L, cond_dim]
+        mod = jnp.einsum("blc,cmd->blmd", c, self.modulation[...].astype(jnp.float32))
+        shift1, scale1, gate1, shift2, scale2, gate2 = [mod[:, :, i, :] for i in range(6)]
+        return self.attn_norm(x) * (1 + scale1) + shift1, (gate1, shift2, scale2, gate2)
 
 
 def decoder_stack(cfg, *, rngs: nnx.Rngs, dtype, param_dtype) -> nnx.List:
