@@ -429,6 +429,12 @@ def test_the_default_config_is_the_context_reading_relf():
     with pytest.raises(Exception, match="even number"):
         make_config("cpu", ["model=relf", "model.num_layers=3"])
     assert make_config("cpu", ["model.num_layers=3"]).model.num_layers == 3
+    assert cfg.model.flow_query_layers == 0  # query layers are an option (bench relf core's "query" variant)
+    from experiments.bench.relf_variants import CORE_VARIANTS
+    query = make_config("cpu", ["model=relf", *CORE_VARIANTS["query"]]).model
+    assert query.flow_query_layers == 2 and query.num_layers - query.flow_query_layers == 2
+    with pytest.raises(Exception, match="flow_query_layers"):  # 4 - 1 layers cannot split into two streams
+        make_config("cpu", ["model=relf", "model.flow_query_layers=1"])
     assert make_config("cpu", ["model=relf", "model.num_layers=3", "flow.blind_spot=false"])
 
 

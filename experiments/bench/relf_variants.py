@@ -25,4 +25,7 @@ NO_PAIRS = {"pair_weight": 0.0, "data_weight": 1.0}
 # the paper's plain parametrisation, the ablation row of the core comparison
 PLAIN = ["flow.blind_spot=false"]
 # the ReLF models of the core comparison: the default, and variants (overrides) against it
-CORE_VARIANTS = {"relf": [], "plain": PLAIN, "whiten": ["flow.embed_whiten=true"]}
+# "query": two of the four layers as query layers over both streams (model.flow_query_layers), full
+# multi-head attention (no grouped keys): the best of the toy probes (docs/relf.md)
+QUERY = ["model.flow_query_layers=2", "model.num_kv_heads=4"]
+CORE_VARIANTS = {"relf": [], "plain": PLAIN, "whiten": ["flow.embed_whiten=true"], "query": QUERY}

@@ -34,7 +34,8 @@ def bench_args(p):
                                                    "steps, comma-separated (bd default 600,1200; core default "
                                                    "the preset's train.steps)")
     p.add_argument("--variants", default=None, help="bench relf --parts core only: which ReLF models, "
-                                                    "comma-separated among relf (the default), plain, whiten; "
+                                                    "comma-separated among relf (the default), plain, whiten, "
+                                                    "query; "
                                                     "default all")
     p.add_argument("--ablation", action="store_true", help="bench bd only: also the old one-conversation-per-row "
                                                            "layout at the first budget")
