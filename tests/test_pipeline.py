@@ -392,3 +392,76 @@ def test_segment_rows_resume_at_every_row():
         for w, g in zip(want[k:], got, strict=True):
             np.testing.assert_array_equal(w["tokens"], g["tokens"])
             np.testing.assert_array_equal(w["segment_ids"], g["segment_ids"])
+
+
+def _lookahead_rows(docs, text_len, lookahead):
+    return pipeline.SegmentRows(grain.MapDataset.source(docs).to_iter_dataset(), text_len, pad_id=-1,
+                                lookahead=lookahead)
+
+
+def test_segment_rows_lookahead_fills_tails_with_every_document_once():
+    """``lookahead`` > 1: a row starts with the oldest document not yet emitted and its tail takes
+    the longest later document that fits; every document still appears exactly once and whole, no
+    more than ``lookahead - 1`` places early, and the rows hold less pad than in stream order."""
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 13, size=200).tolist() + [30, 3, 17]  # two longer than a row (cut in pieces)
+    docs = [np.arange(1000 * i, 1000 * i + n, dtype=np.int32) for i, n in enumerate(lengths)]
+    L = 16
+    pieces = {i: [d[j:j + L].tolist() for j in range(0, len(d), L)] for i, d in enumerate(docs)}
+    text = {}
+    for la in (1, 4, 32):
+        rows = list(_lookahead_rows(docs, L, la))
+        seen = []
+        for r in rows:
+            seg, pos = r["segment_ids"], r["positions"]
+            assert seg.shape == (L + 1,) and seg[-1] == 0
+            n = int((seg != 0).sum())
+            assert (seg[:n] != 0).all() and (r["tokens"][n:] == -1).all()  # text first, then pad
+            for s in range(1, int(seg.max()) + 1):
+                assert pos[seg == s].tolist() == list(range(int((seg == s).sum())))
+                seen.append(r["tokens"][seg == s].tolist())
+        order = [piece[0] // 1000 for piece in seen]
+        assert sorted(seen) == sorted(p for ps in pieces.values() for p in ps)  # every piece once, whole
+        starts = [i for k, i in enumerate(order) if i not in order[:k]]  # documents by their first piece
+        for k, i in enumerate(starts):  # at most lookahead - 1 places ahead of the oldest not yet started
+            assert i - min(set(range(len(docs))) - set(starts[:k])) < la
+        if la == 1:
+            assert [p for i in sorted(pieces) for p in pieces[i]] == seen  # stream order
+        text[la] = sum(map(len, seen)) / (len(rows) * L)
+        assert sum(map(len, seen)) == sum(lengths)
+    assert text[1] < text[4] < text[32]
+    assert text[32] > 0.97
+
+
+@pytest.mark.parametrize("lookahead", [3, 16])
+def test_segment_rows_lookahead_resume_at_every_row(lookahead):
+    """The window's state (parent position, offset in a long document, which later documents are
+    out already) survives a JSON round trip at every row: the resumed rows are the rest exactly."""
+    rng = np.random.default_rng(2)
+    docs = [np.arange(100 * i, 100 * i + n, dtype=np.int32) for i, n in enumerate(rng.integers(0, 12, size=40))]
+    docs[5] = np.arange(500, 500 + 20, dtype=np.int32)  # a long one: full-row pieces, then its rest
+    rows = _lookahead_rows(docs, 8, lookahead)
+    want = list(rows)
+    assert sorted(t for r in want for t in r["tokens"][r["segment_ids"] != 0]) == sorted(t for d in docs for t in d)
+    assert any(int(r["segment_ids"].max()) >= 3 for r in want)
+    for k in range(len(want) + 1):
+        it = iter(rows)
+        for _ in range(k):
+            next(it)
+        fresh = iter(rows)
+        fresh.set_state(json.loads(json.dumps(it.get_state())))
+        got = list(fresh)
+        assert len(got) == len(want) - k
+        for w, g in zip(want[k:], got, strict=True):
+            for key in ("tokens", "segment_ids", "positions"):
+                np.testing.assert_array_equal(w[key], g[key])
+
+
+def test_pack_lookahead_config():
+    from relf_jax.config import ConfigError, make_config
+
+    assert make_config("cpu", ["model=relf"]).data.pack_lookahead == 64  # the default fills row tails
+    with pytest.raises(ConfigError, match="pack_lookahead"):
+        make_config("cpu", ["data.pack_lookahead=0"])
+    with pytest.raises(ValueError, match="lookahead"):
+        _lookahead_rows([np.arange(3, dtype=np.int32)], 8, 0)

@@ -89,7 +89,7 @@ def text_tokens_per_step(cfg, builder, tok, rows: str, align: int = 1, batches: 
     from relf_jax.data import pipeline
 
     it = pipeline.make_iterator(builder, "train", tok, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
-                                seed=cfg.train.seed, rows=rows, align=align)
+                                seed=cfg.train.seed, rows=rows, align=align, lookahead=cfg.data.pack_lookahead)
     total = 0
     for _ in range(batches):
         x = next(it)

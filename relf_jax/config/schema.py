@@ -131,6 +131,10 @@ class DataConfig:
     # whole documents per row with segment ids, pad only at the row's end and outside the loss
     # (whole-sequence families: ReLF; see relf_jax.data.pipeline); "auto": the model family's choice.
     rows: Literal["auto", "packed", "documents", "segments"] = "auto"
+    # "segments" rows: a row's tail is filled from the next pack_lookahead documents (the longest
+    # that fits), so little of it is pad; 1 is stream order (a document that does not fit starts
+    # the next row: 0.80x AR's text per step on the cpu preset; docs/relf.md).
+    pack_lookahead: int = 64
     vocab_size: int = 1024  # tokenizer size
     tokenizer_type: Literal["bpe", "unigram"] = "bpe"
 
@@ -280,6 +284,7 @@ class Config:
                f"model.weight_layout={m.weight_layout} is for the ar and bd families (token-by-token decoders), "
                f"not model.family={m.family}")
         _check(d.seq_len >= 2, "data.seq_len must be >= 2")
+        _check(d.pack_lookahead >= 1, "data.pack_lookahead must be >= 1")
         _check(d.seq_len <= m.max_seq_len,
                f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
         _check(d.vocab_size >= 16, "data.vocab_size must be >= 16")

@@ -30,15 +30,19 @@ With ``rows="segments"`` (`SegmentRows`, for whole-sequence families: ReLF, bloc
 each row holds several *whole* documents back to back, so the loss is spent on text, not pad.
 The contract, for a batch ``{"tokens", "segment_ids", "positions"}`` int32 ``[B, seq_len + 1]``:
 
-- the first ``seq_len`` positions of a row hold documents ``[bos, *ids, eos]`` in order, each
-  whole (a document never continues into the next row), numbered 1, 2, ... in
-  ``segment_ids``; ``positions`` restart at 0 in each document;
+- the first ``seq_len`` positions of a row hold documents ``[bos, *ids, eos]``, each whole (a
+  document never continues into the next row), numbered 1, 2, ... in ``segment_ids``;
+  ``positions`` restart at 0 in each document. A row starts with the oldest document not yet
+  emitted and fills its rest from the next ``lookahead`` documents, longest fitting first
+  (``data.pack_lookahead``; 1 is stream order, where a document that does not fit starts the
+  next row);
 - the rest of the row is padding: token ``pad_id``, segment id 0, position 0. The last column
   (index ``seq_len``) is always padding, so a model that reads ``tokens[:, :-1]`` (the
   whole-sequence losses do) sees every text token;
 - a document longer than ``seq_len`` is cut into pieces of ``seq_len`` tokens, each filling a
   row of its own (segment 1); the last piece packs like a document;
-- over one pass every token of every document appears exactly once, in order.
+- over one pass every token of every document appears exactly once (documents in stream order
+  with ``lookahead=1``, at most ``lookahead - 1`` places early otherwise).
 
 A model honours the contract by attending only within equal, non-zero segment ids (pad
 queries see nothing that matters: their outputs carry no loss) and by taking the loss where
@@ -159,21 +163,60 @@ class _RowsIterator(grain.DatasetIterator):
     """Packs the parent's 1-D token arrays into rows of ``text_len`` tokens (+ pad up to
     ``row_len``), each document piece its own segment with positions from 0.
 
-    whole=True (`SegmentRows`): a document that does not fit in the row's rest starts the next
-    row (one longer than a row is cut into full-row pieces). whole=False (`PackedRows`): the
-    concatenation is cut wherever a row ends.
+    whole=False (`PackedRows`): the concatenation is cut wherever a row ends. whole=True
+    (`SegmentRows`): documents stay whole; a row starts with the oldest document not yet
+    emitted (one longer than a row is cut into full-row pieces, each filling a row), and its
+    rest is filled from the next ``lookahead`` documents of the stream, each time with the
+    longest one that still fits (ties: the earliest), until none fits. ``lookahead=1`` is
+    stream order: a document that does not fit starts the next row.
 
-    State: the parent's state just before the document the next row starts in, and how many
-    of that document's tokens are already emitted.
+    The window holds the documents pulled from the parent and not yet passed, oldest first;
+    the oldest is never emitted yet (emitted ones are dropped from the front), later ones may
+    be. State: the parent's state just before the window's first document, how many of that
+    document's tokens are already emitted (a long document's pieces), and which later window
+    documents are already emitted (indices into the window): small, JSON-safe, exact.
     """
 
     def __init__(self, parent: grain.DatasetIterator, text_len: int, row_len: int, pad_id: int,
-                 whole: bool = True):
+                 whole: bool = True, lookahead: int = 1):
         super().__init__(parent)
+        if lookahead < 1:
+            raise ValueError(f"lookahead must be at least 1, got {lookahead}.")
         self._text_len, self._row_len, self._pad_id, self._whole = text_len, row_len, pad_id, whole
-        self._doc: np.ndarray | None = None
-        self._doc_state = parent.get_state()
+        self._lookahead = lookahead if whole else 1
+        self._docs: list[np.ndarray] = []  # the window, oldest first
+        self._states: list[Any] = []  # the parent's state just before each window document
+        self._taken: list[bool] = []  # emitted already (never the first)
+        self._replay: set[int] = set()  # after set_state: window indices to mark emitted on refill
+        self._offset = 0  # tokens of the window's first document already emitted
+        self._exhausted = False
+
+    def _fill(self) -> None:
+        """Top the window up to ``lookahead`` documents (fewer at the parent's end; empty
+        documents are skipped)."""
+        while len(self._docs) < self._lookahead and not self._exhausted:
+            state = self._parent.get_state()
+            try:
+                doc = next(self._parent)
+            except StopIteration:
+                self._exhausted = True
+                break
+            if len(doc) == 0:
+                continue
+            k = len(self._docs)
+            self._docs.append(doc)
+            self._states.append(state)
+            self._taken.append(k in self._replay)
+            self._replay.discard(k)
+
+    def _drop_front(self) -> None:
+        """The first document is emitted: drop it, and every emitted one behind it."""
         self._offset = 0
+        while True:
+            self._docs.pop(0), self._states.pop(0), self._taken.pop(0)
+            self._replay = {k - 1 for k in self._replay if k > 0}  # indices count from the first
+            if not self._taken or not self._taken[0]:
+                return
 
     def __next__(self) -> dict[str, np.ndarray]:
         cap = self._text_len
@@ -181,37 +224,57 @@ class _RowsIterator(grain.DatasetIterator):
         segment_ids = np.zeros(self._row_len, np.int32)
         positions = np.zeros(self._row_len, np.int32)
         filled = segment = 0
-        while filled < cap:
-            if self._doc is None or self._offset >= len(self._doc):
-                state = self._parent.get_state()
-                try:
-                    doc = next(self._parent)
-                except StopIteration:
-                    break
-                self._doc, self._doc_state, self._offset = doc, state, 0
-                continue
-            rest = len(self._doc) - self._offset
-            if self._whole and rest > cap - filled and filled > 0:
-                break  # does not fit whole: it starts the next row
-            take = min(rest, cap - filled)  # all of it, or (alone in a row) a full row's piece
+
+        def put(doc: np.ndarray) -> None:
+            nonlocal filled, segment
             segment += 1
-            end = filled + take
-            tokens[filled:end] = self._doc[self._offset:self._offset + take]
-            segment_ids[filled:end] = segment
-            positions[filled:end] = np.arange(take, dtype=np.int32)
-            filled, self._offset = end, self._offset + take
+            end = filled + len(doc)
+            tokens[filled:end], segment_ids[filled:end] = doc, segment
+            positions[filled:end] = np.arange(len(doc), dtype=np.int32)
+            filled = end
+
+        while filled < cap:
+            self._fill()
+            if not self._docs:
+                break
+            if filled == 0 or not self._whole:  # the oldest document, or (packed) the stream's next tokens
+                doc, rest = self._docs[0], len(self._docs[0]) - self._offset
+                if self._whole and rest > cap:  # alone in a row, a full row's piece
+                    put(doc[self._offset:self._offset + cap])
+                    self._offset += cap
+                    break
+                take = min(rest, cap - filled)
+                put(doc[self._offset:self._offset + take])
+                self._offset += take
+                if self._offset >= len(doc):
+                    self._drop_front()
+                continue
+            space, best = cap - filled, -1
+            for k, (doc, taken) in enumerate(zip(self._docs, self._taken)):
+                if not taken and len(doc) <= space and (best < 0 or len(doc) > len(self._docs[best])):
+                    best = k
+            if best < 0:
+                break  # nothing in the window fits: the rest is pad
+            put(self._docs[best])
+            if best == 0:
+                self._drop_front()
+            else:
+                self._taken[best] = True
         if filled == 0:
             raise StopIteration
         return {"tokens": tokens, "segment_ids": segment_ids, "positions": positions}
 
     def get_state(self) -> dict[str, Any]:
-        return {"parent": self._doc_state, "offset": self._offset}
+        if not self._docs:
+            return {"parent": self._parent.get_state(), "offset": 0, "taken": []}
+        return {"parent": self._states[0], "offset": self._offset,
+                "taken": [k for k, t in enumerate(self._taken) if t]}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._parent.set_state(state["parent"])
-        self._doc_state = state["parent"]
+        self._docs, self._states, self._taken = [], [], []
+        self._replay, self._exhausted = set(state.get("taken", [])), False
         self._offset = int(state["offset"])
-        self._doc = next(self._parent) if self._offset > 0 else None
 
 
 class SegmentRows(grain.IterDataset):
@@ -219,19 +282,24 @@ class SegmentRows(grain.IterDataset):
 
     Rows are ``text_len + 1`` long: documents fill the first ``text_len`` positions (segment
     ids 1, 2, ...), the rest is ``pad_id`` with segment id 0. No token is dropped or repeated.
+    ``lookahead`` > 1 fills a row's tail from the next ``lookahead`` documents (the longest that
+    fits), not only the next one: less pad, documents emitted slightly out of stream order.
     """
 
-    def __init__(self, parent: grain.IterDataset, text_len: int, pad_id: int):
+    def __init__(self, parent: grain.IterDataset, text_len: int, pad_id: int, lookahead: int = 1):
         super().__init__(parent)
         if text_len < 1:
             raise ValueError(f"text_len must be positive, got {text_len}.")
-        self._text_len, self._pad_id = text_len, pad_id
+        if lookahead < 1:
+            raise ValueError(f"lookahead must be at least 1, got {lookahead}.")
+        self._text_len, self._pad_id, self._lookahead = text_len, pad_id, lookahead
 
     def __iter__(self) -> _RowsIterator:
-        return _RowsIterator(self._parent.__iter__(), self._text_len, self._text_len + 1, self._pad_id)
+        return _RowsIterator(self._parent.__iter__(), self._text_len, self._text_len + 1, self._pad_id,
+                             lookahead=self._lookahead)
 
     def __str__(self) -> str:
-        return f"SegmentRows(text_len={self._text_len})"
+        return f"SegmentRows(text_len={self._text_len}, lookahead={self._lookahead})"
 
 
 def segment_positions(segment_ids):
@@ -263,20 +331,20 @@ class _PadToMultiple(grain.transforms.Map):
 
 
 def _rows(docs: grain.MapDataset, tokenizer, seq_len: int, rows: str = "packed",
-          align: int = 1) -> grain.IterDataset:
+          align: int = 1, lookahead: int = 1) -> grain.IterDataset:
     if seq_len < 1:
         raise ValueError(f"seq_len must be positive, got {seq_len}.")
     if align > 1:
         if rows != "segments" or seq_len % align:
             raise ValueError(f"align={align} needs rows='segments' and seq_len a multiple of it")
         docs = docs.map(_Tokenize(tokenizer)).map(_PadToMultiple(align, tokenizer.pad_id)).to_iter_dataset()
-        return SegmentRows(docs, seq_len, tokenizer.pad_id)
+        return SegmentRows(docs, seq_len, tokenizer.pad_id, lookahead)
     if rows == "packed":
         return PackedRows(docs.map(_Tokenize(tokenizer)).to_iter_dataset(), seq_len + 1)
     if rows == "documents":
         return docs.map(_Tokenize(tokenizer)).map(_DocumentRow(seq_len + 1, tokenizer.pad_id)).to_iter_dataset()
     if rows == "segments":
-        return SegmentRows(docs.map(_Tokenize(tokenizer)).to_iter_dataset(), seq_len, tokenizer.pad_id)
+        return SegmentRows(docs.map(_Tokenize(tokenizer)).to_iter_dataset(), seq_len, tokenizer.pad_id, lookahead)
     raise ValueError(f"rows must be one of {ROW_MODES}, got {rows!r}.")
 
 
@@ -294,11 +362,13 @@ def make_iterator(
     process_count: int | None = None,
     rows: str = "packed",
     align: int = 1,
+    lookahead: int = 1,
 ) -> grain.DatasetIterator:
     """This host's rows of each global batch (``rows``: "packed", "documents" or "segments"),
     int32 ``[batch_size / process_count, seq_len + 1]`` each. ``align`` > 1 (segments only)
     fills each document up with pad ids to a multiple of ``align`` tokens first (block
-    diffusion's blocks).
+    diffusion's blocks); ``lookahead`` (segments only) is how many upcoming documents a row's
+    tail may be filled from (`SegmentRows`).
 
     Deterministic given ``seed``; ``num_epochs=None`` repeats forever (reshuffling every
     epoch). ``batch_size`` is the global batch; ``process_index`` / ``process_count`` default
@@ -312,7 +382,7 @@ def make_iterator(
     if shuffle:
         docs = docs.shuffle(seed)
     docs = docs.repeat(num_epochs)
-    ds = _rows(docs, tokenizer, seq_len, rows, align).batch(batch_size, drop_remainder=True)
+    ds = _rows(docs, tokenizer, seq_len, rows, align, lookahead).batch(batch_size, drop_remainder=True)
     if count > 1:
         ds = ds.map(_HostRows(index * batch_size // count, batch_size // count))
     return iter(ds)
@@ -330,6 +400,7 @@ def eval_batches(
     process_count: int | None = None,
     rows: str = "packed",
     align: int = 1,
+    lookahead: int = 1,
 ) -> list[dict[str, np.ndarray]]:
     """Up to ``max_batches`` global batches from one pass over ``split`` in stored order, this
     host's rows of each (as `make_iterator`: ``[batch_size / process_count, seq_len + 1]``;
@@ -341,7 +412,7 @@ def eval_batches(
     index, count = _host(process_index, process_count, batch_size)
     per = batch_size // count
     batches = []
-    for batch in _rows(_documents(builder, split), tokenizer, seq_len, rows, align).batch(batch_size):
+    for batch in _rows(_documents(builder, split), tokenizer, seq_len, rows, align, lookahead).batch(batch_size):
         missing = batch_size - len(batch["tokens"])
         if missing:
             batch = {k: np.pad(v, ((0, missing), (0, 0))) for k, v in batch.items()}

@@ -103,9 +103,9 @@ def train_relf(cfg: Config, *, mesh=None) -> TrainResult:
     if rows == "segments":
         flow_segment_lengths(cfg, builder, tok, model_dir)
     data = pipeline.make_iterator(builder, "train", tok, seq_len=d.seq_len, batch_size=t.batch_size, seed=t.seed,
-                                  rows=rows)
+                                  rows=rows, lookahead=d.pack_lookahead)
     evals = pipeline.eval_batches(builder, "validation", tok, seq_len=d.seq_len, batch_size=t.batch_size,
-                                  max_batches=t.eval_batches, rows=rows)
+                                  max_batches=t.eval_batches, rows=rows, lookahead=d.pack_lookahead)
     return train(cfg, model_cfg, make_flow_loss(flow_loss_settings(cfg, tok.pad_id)), data, eval_data=evals,
                  workdir=model_dir, mesh=mesh, tokenizer_bytes=tok.to_bytes(),
                  frozen={"embeddings": jax.numpy.asarray(table)}, extra_meta={"embeddings": EMBEDDINGS_FILE})
@@ -175,7 +175,8 @@ def reflow_round(lm, workdir: str, target_dir: str, r: int, spec: dict, caches=(
     rcfg = dataclasses.replace(cfg, train=train_cfg, workdir=target_dir)
     rows = row_mode(cfg) if counts is not None or cfg.data.rows != "auto" else "documents"  # older models
     data = pipeline.make_iterator(builder, "train", lm.tokenizer, seq_len=cfg.data.seq_len,
-                                  batch_size=train_cfg.batch_size, seed=train_cfg.seed + r, rows=rows)
+                                  batch_size=train_cfg.batch_size, seed=train_cfg.seed + r, rows=rows,
+                                  lookahead=cfg.data.pack_lookahead)
     loss = losses.setdefault(settings, make_reflow_loss(settings, spec["data_weight"], spec["pair_weight"]))
     res = train(rcfg, lm.model_cfg, loss,
                 PairBatches(z0, toks, data, batch_size=train_cfg.batch_size, seed=r, segment_ids=seg),

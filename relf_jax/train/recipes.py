@@ -29,9 +29,9 @@ def train_decoder(cfg: Config, *, mesh=None) -> TrainResult:
     # block diffusion on packed rows: each document filled up to whole blocks
     align = model_cfg.block_size if model_cfg.family == "bd" and rows == "segments" else 1
     data = pipeline.make_iterator(builder, "train", tok, seq_len=d.seq_len, batch_size=t.batch_size,
-                                  seed=t.seed, rows=rows, align=align)
+                                  seed=t.seed, rows=rows, align=align, lookahead=d.pack_lookahead)
     evals = pipeline.eval_batches(builder, "validation", tok, seq_len=d.seq_len, batch_size=t.batch_size,
-                                  max_batches=t.eval_batches, rows=rows, align=align)
+                                  max_batches=t.eval_batches, rows=rows, align=align, lookahead=d.pack_lookahead)
     loss = masked_diffusion_loss if model_cfg.family == "bd" else next_token_loss
     return train(cfg, model_cfg, loss, data, eval_data=evals,
                  workdir=os.path.join(cfg.workdir, model_cfg.family), mesh=mesh,
