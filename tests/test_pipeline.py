@@ -448,8 +448,10 @@ def test_segment_rows_lookahead_resume_at_every_row(lookahead):
         it = iter(rows)
         for _ in range(k):
             next(it)
-        fresh = iter(rows)
-        fresh.set_state(json.loads(json.dumps(it.get_state())))
+        restored = iter(rows)
+        restored.set_state(json.loads(json.dumps(it.get_state())))
+        fresh = iter(rows)  # restored, then saved again before reading a row: nothing is lost
+        fresh.set_state(json.loads(json.dumps(restored.get_state())))
         got = list(fresh)
         assert len(got) == len(want) - k
         for w, g in zip(want[k:], got, strict=True):

@@ -275,6 +275,7 @@ class _RowsIterator(grain.DatasetIterator):
         self._docs, self._states, self._taken = [], [], []
         self._replay, self._exhausted = set(state.get("taken", [])), False
         self._offset = int(state["offset"])
+        self._fill()  # the window now holds what the state names: get_state gives it back as it came
 
 
 class SegmentRows(grain.IterDataset):
