@@ -266,22 +266,32 @@ def test_state_resumes_exactly(builder, tok):
                 np.testing.assert_array_equal(w[key], g[key])
 
 
-def test_state_resumes_at_every_row(tok):
-    docs = [
-        np.arange(100 * i, 100 * i + n, dtype=np.int32) for i, n in enumerate([3, 16, 1, 7, 20, 2])
-    ]
-    rows = pipeline.PackedRows(grain.MapDataset.source(docs).to_iter_dataset(), 8)
+def _assert_resumes_at_every_row(rows, keys=("tokens",)):
+    """After any number of rows, the iterator's state survives a JSON round trip (twice, the second
+    time before a row is read) and the resumed iterator yields exactly the remaining rows."""
     want = list(rows)
     for k in range(len(want) + 1):
         it = iter(rows)
         for _ in range(k):
             next(it)
-        fresh = iter(rows)
-        fresh.set_state(json.loads(json.dumps(it.get_state())))
+        state = it.get_state()
+        for _ in range(2):  # restored, then saved again before reading a row: nothing is lost
+            fresh = iter(rows)
+            fresh.set_state(json.loads(json.dumps(state)))
+            state = fresh.get_state()
         got = list(fresh)
         assert len(got) == len(want) - k
         for w, g in zip(want[k:], got, strict=True):
-            np.testing.assert_array_equal(w["tokens"], g["tokens"])
+            for key in keys:
+                np.testing.assert_array_equal(w[key], g[key])
+    return want
+
+
+def test_state_resumes_at_every_row(tok):
+    docs = [
+        np.arange(100 * i, 100 * i + n, dtype=np.int32) for i, n in enumerate([3, 16, 1, 7, 20, 2])
+    ]
+    _assert_resumes_at_every_row(pipeline.PackedRows(grain.MapDataset.source(docs).to_iter_dataset(), 8))
 
 
 def test_eval_batches(builder, tok):
@@ -381,17 +391,7 @@ def test_segment_rows_resume_at_every_row():
     stream = [t for r in want for t in r["tokens"][r["segment_ids"] != 0]]
     assert stream == [t for d in docs for t in d]
     assert [int(r["segment_ids"].max()) for r in want] == [1, 1, 1, 2, 1, 1, 2, 1, 1]
-    for k in range(len(want) + 1):
-        it = iter(rows)
-        for _ in range(k):
-            next(it)
-        fresh = iter(rows)
-        fresh.set_state(json.loads(json.dumps(it.get_state())))
-        got = list(fresh)
-        assert len(got) == len(want) - k
-        for w, g in zip(want[k:], got, strict=True):
-            np.testing.assert_array_equal(w["tokens"], g["tokens"])
-            np.testing.assert_array_equal(w["segment_ids"], g["segment_ids"])
+    _assert_resumes_at_every_row(rows, ("tokens", "segment_ids"))
 
 
 def _lookahead_rows(docs, text_len, lookahead):
@@ -440,23 +440,9 @@ def test_segment_rows_lookahead_resume_at_every_row(lookahead):
     rng = np.random.default_rng(2)
     docs = [np.arange(100 * i, 100 * i + n, dtype=np.int32) for i, n in enumerate(rng.integers(0, 12, size=40))]
     docs[5] = np.arange(500, 500 + 20, dtype=np.int32)  # a long one: full-row pieces, then its rest
-    rows = _lookahead_rows(docs, 8, lookahead)
-    want = list(rows)
+    want = _assert_resumes_at_every_row(_lookahead_rows(docs, 8, lookahead), ("tokens", "segment_ids", "positions"))
     assert sorted(t for r in want for t in r["tokens"][r["segment_ids"] != 0]) == sorted(t for d in docs for t in d)
     assert any(int(r["segment_ids"].max()) >= 3 for r in want)
-    for k in range(len(want) + 1):
-        it = iter(rows)
-        for _ in range(k):
-            next(it)
-        restored = iter(rows)
-        restored.set_state(json.loads(json.dumps(it.get_state())))
-        fresh = iter(rows)  # restored, then saved again before reading a row: nothing is lost
-        fresh.set_state(json.loads(json.dumps(restored.get_state())))
-        got = list(fresh)
-        assert len(got) == len(want) - k
-        for w, g in zip(want[k:], got, strict=True):
-            for key in ("tokens", "segment_ids", "positions"):
-                np.testing.assert_array_equal(w[key], g[key])
 
 
 def test_pack_lookahead_config():
