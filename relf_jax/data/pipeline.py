@@ -187,7 +187,6 @@ class _RowsIterator(grain.DatasetIterator):
         self._docs: list[np.ndarray] = []  # the window, oldest first
         self._states: list[Any] = []  # the parent's state just before each window document
         self._taken: list[bool] = []  # emitted already (never the first)
-        self._replay: set[int] = set()  # after set_state: window indices to mark emitted on refill
         self._offset = 0  # tokens of the window's first document already emitted
         self._exhausted = False
 
@@ -203,18 +202,15 @@ class _RowsIterator(grain.DatasetIterator):
                 break
             if len(doc) == 0:
                 continue
-            k = len(self._docs)
             self._docs.append(doc)
             self._states.append(state)
-            self._taken.append(k in self._replay)
-            self._replay.discard(k)
+            self._taken.append(False)
 
     def _drop_front(self) -> None:
         """The first document is emitted: drop it, and every emitted one behind it."""
         self._offset = 0
         while True:
             self._docs.pop(0), self._states.pop(0), self._taken.pop(0)
-            self._replay = {k - 1 for k in self._replay if k > 0}  # indices count from the first
             if not self._taken or not self._taken[0]:
                 return
 
@@ -272,10 +268,12 @@ class _RowsIterator(grain.DatasetIterator):
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._parent.set_state(state["parent"])
-        self._docs, self._states, self._taken = [], [], []
-        self._replay, self._exhausted = set(state.get("taken", [])), False
+        self._docs, self._states, self._taken, self._exhausted = [], [], [], False
         self._offset = int(state["offset"])
         self._fill()  # the window now holds what the state names: get_state gives it back as it came
+        for k in state.get("taken", []):  # states saved before the window have none
+            if k < len(self._taken):
+                self._taken[k] = True
 
 
 class SegmentRows(grain.IterDataset):
