@@ -1,4 +1,9 @@
-"""`bench spec`'s verification-cost probe on a tiny model: shapes of the report, sane numbers."""
+"""`bench spec`'s verification-cost probe on a tiny model: shapes of the report, sane numbers; where
+its draft is distilled."""
+
+import os
+
+import pytest
 
 from relf_jax.checkpoint import LoadedModel
 from relf_jax.config import Config
@@ -67,3 +72,28 @@ def test_another_preset_s_forward_cost_is_measured_on_its_shape():
     per_layer = attn + 3 * d * f + 2 * d  # + SwiGLU, two norms
     assert out["weight_bytes"] == 4 * (64 * d + m.num_layers * per_layer + d)  # + tied embedding, final norm
     assert out["b1"]["ratio"] > 0 and out["b8"]["3_tokens_ms"] > 0
+
+
+def test_a_longer_distillation_gets_a_draft_folder_of_its_own(tmp_path, monkeypatch):
+    """The default draft (half the target's steps) lives in <workdir>/draft; --draft-steps N in
+    <workdir>/draft_steps<N>, so the two are measured side by side and neither overwrites the other."""
+    import relf_jax as rj
+    import relf_jax.loading
+    import relf_jax.speculative.recipes as recipes
+    from experiments.bench.common import ensure_target_and_draft
+    from relf_jax.errors import UserError
+
+    calls = []
+    monkeypatch.setattr(rj, "train", lambda cfg: None)
+    monkeypatch.setattr(relf_jax.loading, "load_model", lambda path, family: path)
+    monkeypatch.setattr(recipes, "train_draft", lambda target, overrides, workdir: calls.append((overrides, workdir)))
+    wd = str(tmp_path)
+    for steps in (None, 300, 1200):  # the cpu preset trains 600 steps: 300 is the default draft
+        _, _, draft = ensure_target_and_draft("cpu", wd, ["model.d_model=64"], ["model.num_layers=1"],
+                                              distill_steps=steps)
+        assert draft == calls[-1][1]
+    assert calls == [(["model.num_layers=1", "train.steps=300"], os.path.join(wd, "draft")),
+                     (["model.num_layers=1", "train.steps=300"], os.path.join(wd, "draft")),
+                     (["model.num_layers=1", "train.steps=1200"], os.path.join(wd, "draft_steps1200"))]
+    with pytest.raises(UserError, match="distillation steps must be >= 1"):
+        ensure_target_and_draft("cpu", wd, distill_steps=0)

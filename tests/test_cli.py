@@ -68,6 +68,13 @@ def test_bench_serve_parts_are_checked(capsys, tmp_path):
     _one_line_error(rc, err, "--preset applies to bench spec only")
     rc, _, err = _run(capsys, "bench", "spec", "--out", out, "--preset", "cpu-wide", "--quick")
     _one_line_error(rc, err, "--preset and --quick are exclusive")
+    rc, _, err = _run(capsys, "bench", "relf", "--out", out, "--draft-steps", "1200")
+    _one_line_error(rc, err, "--draft-steps applies to bench spec only")
+    rc, _, err = _run(capsys, "bench", "spec", "--out", out, "--draft-steps", "0")
+    _one_line_error(rc, err, "--draft-steps must be >= 1", "0")
+    from experiments.commands.bench import bench_options
+    assert bench_options(parse_args(["bench", "spec", "--out", out, "--preset", "cpu-wide", "--draft-steps",
+                                     "1200"])) == {"preset": "cpu-wide", "draft_steps": 1200}
     assert parse_args(["serve", "--mock", "--steps-per-call", "3"]).steps_per_call == 3
 
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from relf_jax.config import make_config
+from relf_jax.errors import UserError
 
 # the repository root: the working directory of the subprocesses benches start (`python -m experiments...`)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -46,18 +47,23 @@ def draft_steps(cfg) -> int:
 
 
 def ensure_target_and_draft(preset: str, workdir: str, overrides: Sequence[str] = (),
-                            draft_overrides: Sequence[str] = ()):
+                            draft_overrides: Sequence[str] = (), distill_steps: int | None = None):
     """(config, target, draft): trained in `workdir` (or resumed / reused), the draft distilled
-    for `draft_steps` as the demo does (`draft_overrides`: its ``model.*`` shape, if not the
-    default half-size one)."""
+    for `draft_steps` as the demo does, in ``<workdir>/draft`` (`draft_overrides`: its ``model.*``
+    shape, if not the default half-size one; `distill_steps`: another distillation length, its
+    draft kept apart in ``<workdir>/draft_steps<N>``)."""
     import relf_jax as rj
     from relf_jax.loading import load_model
     from relf_jax.speculative.recipes import train_draft
     cfg = make_config(preset, list(overrides), workdir=workdir)
     rj.train(cfg)
     lm = load_model(workdir, "ar")
-    train_draft(workdir, [*draft_overrides, f"train.steps={draft_steps(cfg)}"])
-    draft = load_model(os.path.join(workdir, "draft"), "ar")
+    if distill_steps is not None and distill_steps < 1:
+        raise UserError(f"the draft's distillation steps must be >= 1, got {distill_steps}")
+    steps = distill_steps or draft_steps(cfg)
+    draft_dir = os.path.join(workdir, "draft" if steps == draft_steps(cfg) else f"draft_steps{steps}")
+    train_draft(workdir, [*draft_overrides, f"train.steps={steps}"], workdir=draft_dir)
+    draft = load_model(draft_dir, "ar")
     return cfg, lm, draft
 
 

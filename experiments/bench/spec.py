@@ -20,6 +20,8 @@ import os
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 from experiments.bench import spec_cost
 from experiments.bench.common import ensure_target_and_draft, find_row, held_out_prompts, reply_quality
 from kernels_pallas import dispatch
@@ -35,14 +37,14 @@ SMALL_DRAFT = ("model.d_model=128", "model.num_layers=2", "model.num_heads=4", "
 
 
 def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),
-               preset: str | None = None) -> dict:
+               preset: str | None = None, draft_steps: int | None = None) -> dict:
     from relf_jax.eval.evaluate import exact_judge
     from relf_jax.speculative.recipes import proposer_inputs, sample
 
     preset = preset or ("tiny" if quick else "cpu")
     workdir = workdir or os.path.join("runs", f"bench_spec_{preset}")
     cfg, lm, draft = ensure_target_and_draft(preset, workdir, overrides,
-                                             SMALL_DRAFT if preset == "cpu-wide" else ())
+                                             SMALL_DRAFT if preset == "cpu-wide" else (), distill_steps=draft_steps)
     judge = exact_judge(cfg)
     max_new = 32 if quick else 64
     n_prompts = 8 if quick else 16
@@ -80,6 +82,7 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
                       f"{s.tokens_per_s:8.1f} tok/s  tau {s.tau:4.2f}  gen PPL {q['gen_ppl']:7.2f}  "
                       f"entropy {q['entropy']:.2f}", flush=True)
     wall = time.perf_counter() - t0
+    interleaved = _interleaved(lm, prompts, cfg, draft, table, k, max_new, reps=2 if quick else 5)
     # verification cost: K + 1 tokens in one target forward vs one token
     costs = forward_costs(lm, k)
     with dispatch.references():  # the same forwards through XLA's dot alone (no CPU kernel)
@@ -88,10 +91,11 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
     bandwidth = spec_cost.matvec_bandwidth()
     preds = spec_cost.predictions(rows, profs, k)
     report = {"rows": rows, "ratios": _spec_ratios(rows, (1.0,) if quick else (1.0, 0.7, 0.0), k),
-              "preset": preset, "k": k, "max_new_tokens": max_new, "num_prompts": n_prompts, "wall_s": wall,
+              "preset": preset, "draft_distill_steps": draft.step, "k": k, "max_new_tokens": max_new,
+              "num_prompts": n_prompts, "wall_s": wall,
               "draft_cost_ratio": _cost_ratio(lm, draft), "target_forward_cost": costs,
               "target_forward_cost_xla_dot": costs_xla, "host": spec_cost.host(),
-              "round_profile": profs, "cost_model": preds, "matvec": bandwidth,
+              "interleaved": interleaved, "round_profile": profs, "cost_model": preds, "matvec": bandwidth,
               "regime": spec_cost.regime(lm, [r for r in rows if r["rule"] == "none"], costs, bandwidth),
               # past the caches: random-weight wide shapes' K + 1-token cost (not with --quick)
               "wide_probe": [] if quick else spec_cost.wide_probe(k),
@@ -108,7 +112,52 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
               f"outside the round "
               f"{p['outside_round_ms']:.2f})")
     print(json.dumps(report["regime"], indent=2))
+    print(json.dumps(interleaved["ratios"], indent=2))
     return report
+
+
+# the rows the targets compare, timed again interleaved: (name, batch, rule, proposer, nsd_top_p)
+INTERLEAVED = (("ar_b1", 1, "none", "-", None), ("standard_draft_b1", 1, "standard", "draft", None),
+               ("nsd0.9_draft_b1", 1, "nsd", "draft", 0.9), ("nsd0.9_ngram_b1", 1, "nsd", "corpus_ngram", 0.9),
+               ("ar_b8", 8, "none", "-", None), ("standard_draft_b8", 8, "standard", "draft", None))
+# ratio name -> (numerator, denominator)
+INTERLEAVED_RATIOS = {"standard_over_ar_b1": ("standard_draft_b1", "ar_b1"),
+                      "nsd0.9_ngram_over_ar_b1": ("nsd0.9_ngram_b1", "ar_b1"),
+                      "nsd0.9_over_standard_b1": ("nsd0.9_draft_b1", "standard_draft_b1"),
+                      "standard_over_ar_b8": ("standard_draft_b8", "ar_b8")}
+
+
+def _interleaved(lm, prompts, cfg, draft, table, k: int, max_new: int, reps: int) -> dict:
+    """The target rows (T = 1, K = `k`) timed round-robin: `reps` rounds, each decoding the same
+    prompts once with every row, the order rotated by one each round. A ratio is taken within a
+    round (its two rows a few seconds apart) and its median over rounds reported, so a host whose
+    speed drifts over the minutes of the sequential sweep moves both sides of it alike."""
+    from relf_jax.speculative.recipes import sample
+
+    def method(rule, proposer, nsd):
+        return Autoregressive() if rule == "none" else Speculative(
+            rule=rule, k=k, nsd_top_p=nsd or 0.9, proposer=parse_proposer(proposer, draft=draft))
+
+    def run(row):
+        _, batch, rule, proposer, nsd = row
+        sc = dataclasses.replace(cfg.sample, batch_size=batch, max_new_tokens=max_new, temperature=1.0, top_k=0,
+                                 top_p=1.0, seed=0)
+        return sample(lm, prompts=prompts, sample_cfg=sc, method=method(rule, proposer, nsd), ngram_table=table)
+
+    speeds = {row[0]: [] for row in INTERLEAVED}
+    taus = {}
+    for r in range(reps):
+        for row in INTERLEAVED[r % len(INTERLEAVED):] + INTERLEAVED[:r % len(INTERLEAVED)]:
+            s = run(row)
+            speeds[row[0]].append(s.tokens_per_s)
+            taus[row[0]] = s.tau
+    per_round = {name: [a / b for a, b in zip(speeds[num], speeds[den])]
+                 for name, (num, den) in INTERLEAVED_RATIOS.items()}
+    print(f"[bench spec] interleaved, {reps} rounds: " + "  ".join(
+        f"{name} {float(np.median(v)):.2f}" for name, v in per_round.items()), flush=True)
+    return {"reps": reps, "tokens_per_s": speeds, "tau": taus,
+            "ratios": {name: float(np.median(v)) for name, v in per_round.items()},
+            "ratio_range": {name: [float(min(v)), float(max(v))] for name, v in per_round.items()}}
 
 
 def _spec_ratios(rows, temperatures=(1.0, 0.7), k: int = 4) -> dict:

@@ -30,12 +30,14 @@ def bench_args(p):
                                                  "latency; default all")
     p.add_argument("--preset", default=None, help="bench spec only: the target's preset (default cpu; cpu-wide: "
                                                   "a target past the caches, with a small distilled draft)")
+    p.add_argument("--draft-steps", type=int, default=None, help="bench spec only: the draft's distillation "
+                                                                 "steps (default half the target's)")
     p.add_argument("--budgets", default=None, help="bench bd and bench relf --parts core: training budgets in "
                                                    "steps, comma-separated (bd default 600,1200; core default "
                                                    "the preset's train.steps)")
     p.add_argument("--variants", default=None, help="bench relf --parts core only: which ReLF models, "
-                                                    "comma-separated among relf (the default), plain, whiten, "
-                                                    "query; "
+                                                    "comma-separated among relf (the default), plain, free_head, "
+                                                    "whiten, query; "
                                                     "default all")
     p.add_argument("--ablation", action="store_true", help="bench bd only: also the old one-conversation-per-row "
                                                            "layout at the first budget")
@@ -59,6 +61,12 @@ def bench_options(args) -> dict:
         if args.quick:
             raise UserError("--preset and --quick are exclusive (--quick is the tiny preset)")
         extra["preset"] = args.preset
+    if args.draft_steps is not None:
+        if args.which != "spec":
+            raise UserError("--draft-steps applies to bench spec only")
+        if args.draft_steps < 1:
+            raise UserError(f"--draft-steps must be >= 1, got {args.draft_steps}")
+        extra["draft_steps"] = args.draft_steps
     core = args.which == "relf" and extra.get("parts") == ["core"]
     if args.ablation:
         if args.which != "bd":
