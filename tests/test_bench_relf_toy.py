@@ -1,6 +1,8 @@
 """`relf-jax bench relf-toy`: the toy's data, its exact posterior, and a small end-to-end run."""
 
+import dataclasses
 import json
+import os
 
 import numpy as np
 import pytest
@@ -61,6 +63,10 @@ def test_bench_relf_toy_runs_and_the_exact_posterior_samples_valid_rows(tmp_path
     assert all(0.0 <= r["valid_share"] <= 1.0 for r in report["rows"])
     with pytest.raises(ValueError, match="unknown variants"):
         bench_relf_toy(str(out), sizes=sz, variants=("exact", "nope"))
+    # other settings in the same workdir train a model of their own, never resume another toy's
+    bench_relf_toy(str(out), workdir=str(tmp_path / "runs"), sizes=dataclasses.replace(sz, seed=1),
+                   variants=("singular",))
+    assert len([d for d in os.listdir(tmp_path / "runs") if d.startswith("singular_")]) == 2
 
 
 def test_a_collapsed_sampler_reads_valid_but_not_distinct():

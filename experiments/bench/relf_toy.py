@@ -40,6 +40,8 @@ network with the context loss recovers the most of the variants that keep the si
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import time
 from collections.abc import Sequence
@@ -208,6 +210,9 @@ def bench_relf_toy(out: str, quick: bool = False, workdir: str | None = None, ov
     root = os.path.abspath(workdir or os.path.join("runs", "bench_relf_toy" + ("_quick" if quick else "")))
     rows = candidate_rows(sz)
     table = jnp.asarray(emb.gaussian_embeddings(sz.vocab, sz.embed_dim, seed=sz.seed, norm=sz.embed_norm))
+    # the sizes and overrides name each variant's directory: a rerun with other settings trains
+    # anew instead of resuming (and reporting) a model trained on another toy
+    tag = hashlib.sha1(json.dumps([dataclasses.asdict(sz), list(overrides)], sort_keys=True).encode()).hexdigest()[:8]
     t0 = time.perf_counter()
     result = {"sizes": dataclasses.asdict(sz), "rows": []}
     unknown = set(variants) - set(VARIANTS)
@@ -221,7 +226,8 @@ def bench_relf_toy(out: str, quick: bool = False, workdir: str | None = None, ov
             residual, c = exact_residual(rows, table), 1e4
         else:
             extra = {k: (getattr(sz, v) if isinstance(v, str) else v) for k, v in _TRAINED[variant].items()}
-            res, cfg = _train(sz, rows, table, workdir=os.path.join(root, variant), overrides=overrides, **extra)
+            res, cfg = _train(sz, rows, table, workdir=os.path.join(root, f"{variant}_{tag}"), overrides=overrides,
+                              **extra)
             c = cfg.flow.residual_bound
             if variant == "default":
                 f = cfg.flow
