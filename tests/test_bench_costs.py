@@ -97,3 +97,40 @@ def test_a_longer_distillation_gets_a_draft_folder_of_its_own(tmp_path, monkeypa
                      (["model.num_layers=1", "train.steps=1200"], os.path.join(wd, "draft_steps1200"))]
     with pytest.raises(UserError, match="distillation steps must be >= 1"):
         ensure_target_and_draft("cpu", wd, distill_steps=0)
+
+
+def test_interleaved_timing_takes_each_ratio_within_a_round(monkeypatch):
+    """Rows timed round-robin with the order rotated each round; a host that slows down round by
+    round scales both sides of a ratio alike, so the reported medians are the rows' true ratios."""
+    import types
+
+    import relf_jax.speculative.recipes as recipes
+    from experiments.bench.spec import INTERLEAVED, _interleaved
+    from relf_jax.methods import Autoregressive, DraftModel
+
+    speed = {"ar_b1": 100.0, "standard_draft_b1": 170.0, "nsd0.9_draft_b1": 210.0, "nsd0.9_ngram_b1": 250.0,
+             "ar_b8": 400.0, "standard_draft_b8": 360.0}
+    calls = []
+
+    def fake_sample(lm, prompts, sample_cfg, method, ngram_table):
+        b = sample_cfg.batch_size
+        if isinstance(method, Autoregressive):
+            name = f"ar_b{b}"
+        elif method.rule == "standard":
+            name = f"standard_draft_b{b}"
+        else:
+            name = f"nsd0.9_{'draft' if isinstance(method.proposer, DraftModel) else 'ngram'}_b{b}"
+        slow = 1.0 + len(calls) // len(INTERLEAVED)  # the host slows down every round
+        calls.append(name)
+        return types.SimpleNamespace(tokens_per_s=speed[name] / slow, tau=2.0)
+
+    monkeypatch.setattr(recipes, "sample", fake_sample)
+    cfg = Config()
+    out = _interleaved(None, ["p"], cfg, None, None, k=4, max_new=8, reps=3)
+    n = len(INTERLEAVED)
+    assert len(calls) == 3 * n and sorted(calls[:n]) == sorted(speed)
+    assert [calls[r * n] for r in range(3)] == [INTERLEAVED[r][0] for r in range(3)]  # rotated each round
+    assert out["ratios"]["standard_over_ar_b1"] == pytest.approx(1.7)
+    assert out["ratios"]["nsd0.9_over_standard_b1"] == pytest.approx(210 / 170)
+    assert out["ratios"]["standard_over_ar_b8"] == pytest.approx(0.9)
+    assert len(out["tokens_per_s"]["ar_b1"]) == 3 and out["tokens_per_s"]["ar_b1"][2] < out["tokens_per_s"]["ar_b1"][0]
