@@ -25,6 +25,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from relf_jax.config import Config, ModelConfig
+from relf_jax.config.schema import SAVED_WITHOUT
 from relf_jax.errors import UserError
 
 _log = logging.getLogger(__name__)
@@ -194,12 +195,16 @@ RESUMABLE_MODEL_CHANGES = frozenset({"dtype"})
 
 def model_settings_changed(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
     """[(field, saved value, current value)] for the model settings that differ, except
-    `RESUMABLE_MODEL_CHANGES`. A field the checkpoint predates counts as its current default."""
-    defaults = dataclasses.asdict(ModelConfig())
+    `RESUMABLE_MODEL_CHANGES` and, outside the relf family, the ReLF network's ``flow_*`` fields.
+    A field the checkpoint predates counts as the value it had then
+    (`relf_jax.config.schema.SAVED_WITHOUT`), else as its current default."""
+    defaults = {**dataclasses.asdict(ModelConfig()), **SAVED_WITHOUT}
     out = []
     for k, now in current.items():
         if k in RESUMABLE_MODEL_CHANGES:
             continue
+        if k.startswith("flow_") and current.get("family") != "relf":
+            continue  # the ReLF network's own switches build nothing in another family
         before = saved.get(k, defaults.get(k))
         if isinstance(before, list):
             before = tuple(before)

@@ -14,7 +14,7 @@ from typing import Optional
 import jax
 
 from relf_jax.checkpoint import Checkpointer, LoadedModel, latest_meta, tokenizer_bytes_from_meta
-from relf_jax.config import Config, ModelConfig
+from relf_jax.config import Config, ModelConfig, saved_model_config
 from relf_jax.data.tokenizer import tokenizer_from_bytes
 from relf_jax.errors import UserError
 
@@ -60,7 +60,7 @@ def load_model(workdir: str, family: str = "ar") -> LoadedModel:
     if meta.get("family") != family:
         raise UserError(f"the checkpoint in {model_dir} holds a {meta.get('family')!r} model, not {family!r}")
     cfg = Config.from_dict(meta["config"])
-    model_cfg = ModelConfig(**meta["model"])
+    model_cfg = saved_model_config(meta["model"])
     graphdef, params, meta = restore_params(model_dir, model_cfg, cfg.train)
     tok_bytes = tokenizer_bytes_from_meta(meta)
     if tok_bytes is None:

@@ -191,7 +191,9 @@ def test_core_part_runs_alone():
 
     assert inspect.signature(bench_relf).parameters["parts"].default == DEFAULT_PARTS == ("models", "reflow",
                                                                                            "latency")
-    assert CORE_VARIANTS["relf"] == [] and CORE_VARIANTS["plain"] == ["flow.blind_spot=false"]
+    assert CORE_VARIANTS["relf"] == [] and CORE_VARIANTS["plain"] == ["flow.blind_spot=false",
+                                                                      "model.flow_embed_head=false"]
+    assert CORE_VARIANTS["free_head"] == ["model.flow_embed_head=false"]  # the default before 12-07
 
 
 def _core_rows():

@@ -150,6 +150,7 @@ def test_block_diffusion_engine_matches_the_decoder():
 
 def test_relf_engine_holds_the_prompt_and_is_batch_independent():
     from relf_jax.flow.samplers import sample as flow_sample
+    from relf_jax.flow.singular import network_residual
 
     lm = tiny_lm("relf")
     eng = E.ReLFEngine(lm, 3, method=Flow(nfe=4))
@@ -166,8 +167,9 @@ def test_relf_engine_holds_the_prompt_and_is_batch_independent():
     row = np.zeros((1, L), np.int32)
     row[0, :len(PROMPTS[0])] = PROMPTS[0]
     known = jnp.arange(L)[None] < len(PROMPTS[0])
-    toks, _ = flow_sample(jax.random.key(0), lambda z, t, sc: nnx.merge(lm.graphdef, lm.params)(z, sc, t), table,
-                          eng.flow_settings, batch=1, length=L, known=(known, table[jnp.asarray(row)]))
+    model = nnx.merge(lm.graphdef, lm.params)
+    toks, _ = flow_sample(jax.random.key(0), lambda z, t, sc: network_residual(model, z, sc, t, embeddings=table),
+                          table, eng.flow_settings, batch=1, length=L, known=(known, table[jnp.asarray(row)]))
     assert np.asarray(toks)[0, :len(PROMPTS[0])].tolist() == PROMPTS[0]
 
 

@@ -188,10 +188,11 @@ def test_default_relf_samples_alike_through_the_kernel_and_the_reference(monkeyp
     mc = dataclasses.replace(make_config("tiny", ["model=relf"]).model, vocab_size=V, flow_embed_dim=D)
     model = build_model(mc, nnx.Rngs(0))
     model.out[...] = 0.2 * jax.random.normal(jax.random.key(1), model.out.shape)
+    model.out_emb[...] = 0.2 * jax.random.normal(jax.random.key(3), model.out_emb.shape)  # the default's tied head
     g, p = nnx.split(model)
     e = jnp.asarray(np.random.default_rng(0).standard_normal((V, D)), jnp.float32)
     seg = jnp.asarray([[1] * 5 + [0] * 2, [1] * 7], jnp.int32)
-    residual = segment_residual(nnx.merge(g, p), seg)
+    residual = segment_residual(nnx.merge(g, p), seg, e)
     out = {}
     for kernel in (False, True):
         monkeypatch.setattr(dispatch, "runs_kernel", lambda name, override=None, k=kernel: k)

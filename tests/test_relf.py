@@ -27,11 +27,32 @@ def _cfg(*overrides):
 
 def test_fresh_flow_network_gives_zero_residual():
     cfg = dataclasses.replace(_cfg().model, vocab_size=61)
+    assert cfg.flow_embed_head  # the default head: h W + (h P) E^T, both parts zero at first
     g, p = nnx.split(build_model(cfg, nnx.Rngs(0)))
     z = jax.random.normal(jax.random.key(0), (2, 5, 8))
-    f = jax.jit(lambda p: nnx.merge(g, p)(z, jnp.zeros_like(z), jnp.asarray([0.2, 0.9])))(p)
+    table = jnp.asarray(gaussian_embeddings(61, 8, seed=1))
+    f = jax.jit(lambda p: nnx.merge(g, p)(z, jnp.zeros_like(z), jnp.asarray([0.2, 0.9]), embeddings=table))(p)
     assert f.shape == (2, 5, 61) and f.dtype == jnp.float32
     assert float(jnp.abs(f).max()) == 0.0  # output layer starts at zero: the posterior is pure Bayes
+    with pytest.raises(ValueError, match="flow_embed_head"):
+        nnx.merge(g, p)(z, jnp.zeros_like(z), jnp.asarray([0.2, 0.9]))
+
+
+def test_embedding_tied_head_adds_the_hidden_state_read_through_each_words_embedding():
+    """f = h W + (h P) E^T: the embedding part is exactly the hidden state mapped by P and read
+    through E (checked against a head-less model's hidden state), and training moves P."""
+    cfg = dataclasses.replace(_cfg().model, vocab_size=61)
+    model = _generic(build_model(cfg, nnx.Rngs(0)))
+    z = jax.random.normal(jax.random.key(0), (2, 5, 8))
+    sc, t = jnp.zeros_like(z), jnp.asarray([0.2, 0.9])
+    table = jnp.asarray(gaussian_embeddings(61, 8, seed=1))
+    h = model._hidden(z, sc, t, None)
+    expected = h @ model.out[...] + (h @ model.out_emb[...]) @ table.T
+    np.testing.assert_allclose(model(z, sc, t, embeddings=table), expected, rtol=1e-5, atol=1e-5)
+    free = build_model(dataclasses.replace(cfg, flow_embed_head=False), nnx.Rngs(0))
+    assert free.out_emb is None and not free.reads_embeddings and model.reads_embeddings
+    (_, _), grads = _loss_and_grads(build_model(cfg, nnx.Rngs(0)), context_loss=True)
+    assert float(jnp.abs(grads["out_emb"][...]).sum()) > 0  # zero at first, and trained
 
 
 def test_flow_loss_trains_through_the_generic_loop(tmp_path):
@@ -124,7 +145,7 @@ def _loss(model, **settings) -> float:
 
 
 def test_aux_head_adds_its_weighted_ce_and_leaves_the_residual_alone():
-    cfg = dataclasses.replace(_cfg().model, vocab_size=61, flow_aux_head=True)
+    cfg = dataclasses.replace(_cfg().model, vocab_size=61, flow_aux_head=True, flow_embed_head=False)
     model = build_model(cfg, nnx.Rngs(0))
     model.out_aux[...] = 0.1 * jax.random.normal(jax.random.key(2), model.out_aux.shape)
     (_, m0), g0 = _loss_and_grads(model, aux_weight=0.0)
@@ -151,7 +172,7 @@ def test_aux_head_adds_its_weighted_ce_and_leaves_the_residual_alone():
 
 
 def test_times_per_position():
-    cfg = dataclasses.replace(_cfg().model, vocab_size=61)
+    cfg = dataclasses.replace(_cfg().model, vocab_size=61, flow_embed_head=False)
     model = build_model(cfg, nnx.Rngs(0))
     for block in model.blocks:  # non-zero modulation, so that t reaches every block
         block.modulation[...] = 0.1 * jax.random.normal(jax.random.key(4), block.modulation.shape)
@@ -172,7 +193,7 @@ def test_times_per_position():
 
 
 def test_blind_spot_residual_never_reads_its_own_position():
-    cfg = dataclasses.replace(_cfg().model, vocab_size=61, flow_blind_spot=True)
+    cfg = dataclasses.replace(_cfg().model, vocab_size=61, flow_blind_spot=True, flow_embed_head=False)
     model = build_model(cfg, nnx.Rngs(0))
     for block in [*model.blocks, *model.blocks_bwd]:  # non-zero modulation and head: a generic network
         block.modulation[...] = 0.1 * jax.random.normal(jax.random.key(4), block.modulation.shape)
@@ -342,6 +363,8 @@ def _generic(model):
     for i, block in enumerate(blocks):
         block.modulation[...] = 0.1 * jax.random.normal(jax.random.key(40 + i), block.modulation.shape)
     model.out[...] = 0.1 * jax.random.normal(jax.random.key(5), model.out.shape)
+    if model.out_emb is not None:
+        model.out_emb[...] = 0.1 * jax.random.normal(jax.random.key(6), model.out_emb.shape)
     return model
 
 
@@ -350,12 +373,13 @@ def test_packed_segments_never_attend_across(blind_spot, query_layers):
     cfg = dataclasses.replace(_cfg().model, vocab_size=61, flow_blind_spot=blind_spot,
                               num_layers=2 + query_layers, flow_query_layers=query_layers)
     g, p = nnx.split(_generic(build_model(cfg, nnx.Rngs(0))))
+    table = jnp.asarray(gaussian_embeddings(61, 8, seed=1))
     seg = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1, 1, 1]], jnp.int32)
     z = jax.random.normal(jax.random.key(3), (2, 8, 8))
     sc = jax.random.normal(jax.random.key(6), (2, 8, 8))
     t = jnp.asarray([0.4, 0.4])
     moved_z = z.at[0, 3:].add(1.0)  # segment 2 (and the pad) of row 0
-    fn = jax.jit(lambda p, z, sc, s: nnx.merge(g, p)(z, sc, t, None, s))
+    fn = jax.jit(lambda p, z, sc, s: nnx.merge(g, p)(z, sc, t, None, s, embeddings=table))
     f, moved = fn(p, z, sc, seg), fn(p, moved_z, sc.at[0, 3:].add(1.0), seg)
     assert float(jnp.abs(moved[0, :3] - f[0, :3]).max()) == 0.0  # segment 1 never sees segment 2
     assert float(jnp.abs(moved[0, 3:7] - f[0, 3:7]).max()) > 1e-4
@@ -421,6 +445,7 @@ def test_the_default_config_is_the_context_reading_relf():
 
     cfg = make_config("cpu", ["model=relf"])
     assert cfg.flow.blind_spot and cfg.model.flow_blind_spot
+    assert cfg.model.flow_embed_head  # the residual head reads the fixed embeddings too (12-07)
     assert flow_loss_settings(cfg).context_loss  # trained as p(x_i | Z_{-i})
     assert row_mode(cfg) == "segments"  # several whole conversations per row, loss on text
     plain = make_config("cpu", ["model=relf", "flow.blind_spot=false"])

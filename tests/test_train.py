@@ -130,6 +130,25 @@ def test_resuming_with_other_model_settings_is_a_user_error(trained, tiny_model_
     assert out.step == latest + 1 and out.resumed_from == latest
 
 
+def test_a_model_field_added_later_reads_as_it_was_then():
+    """A checkpoint saved before `flow_embed_head` existed holds a ReLF network without that head:
+    it loads as one, resuming it under the new default is refused, and the field does not concern
+    an AR checkpoint at all."""
+    from relf_jax.checkpoint import model_settings_changed
+    from relf_jax.config import ModelConfig, saved_model_config
+
+    relf_now = dataclasses.asdict(ModelConfig(family="relf"))
+    assert relf_now["flow_embed_head"]  # the default
+    old_relf = {k: v for k, v in relf_now.items() if k != "flow_embed_head"}
+    assert not saved_model_config(old_relf).flow_embed_head
+    assert model_settings_changed(old_relf, relf_now) == [("flow_embed_head", False, True)]
+    assert model_settings_changed(old_relf, {**relf_now, "flow_embed_head": False}) == []
+    ar_now = dataclasses.asdict(ModelConfig(family="ar"))
+    assert model_settings_changed({k: v for k, v in ar_now.items() if k != "flow_embed_head"}, ar_now) == []
+    assert model_settings_changed({**ar_now, "flow_embed_head": False}, ar_now) == []
+    assert model_settings_changed({**ar_now, "mlp_dim": 1}, ar_now) == [("mlp_dim", 1, ar_now["mlp_dim"])]
+
+
 def _one_device_mesh():
     from relf_jax.runtime.sharding import make_mesh
     return make_mesh(1, 1, 1, devices=jax.devices()[:1])

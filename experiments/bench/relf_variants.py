@@ -11,7 +11,7 @@ ABLATIONS = {"no_singular": ["flow.use_singular=false"], "gaussian_embeddings": 
 # our extensions to the paper's training, trained at the full budget, against the plain ReLF rows
 EXTENSIONS = {"aux_head": ["flow.aux_weight=1"], "per_position_t": ["flow.per_position_t=0.5"],
               "aux_head_per_position_t": ["flow.aux_weight=1", "flow.per_position_t=0.5"],
-              "plain": ["flow.blind_spot=false"]}
+              "plain": ["flow.blind_spot=false", "model.flow_embed_head=false"]}
 # extensions that also get two reflow rounds (and the 8 / 16 / 32-NFE Euler rows before and after);
 # since issue 35 the "relf" rows are the context-reading default and "plain" is the paper's network
 REFLOW_EXTENSIONS = ("plain",)
@@ -23,10 +23,13 @@ DEFAULT_PARTS = PARTS[:3]  # "core" runs alone, on request
 NO_PAIRS = {"pair_weight": 0.0, "data_weight": 1.0}
 
 # the paper's plain parametrisation, the ablation row of the core comparison
-PLAIN = ["flow.blind_spot=false"]
+PLAIN = ["flow.blind_spot=false", "model.flow_embed_head=false"]
+# the default before 12-07: the residual head's free matrix alone, without the embedding-tied part
+FREE_HEAD = ["model.flow_embed_head=false"]
 # the ReLF models of the core comparison: the default, and variants (overrides) against it
 # "query": two of the four layers as query layers over both streams (model.flow_query_layers), full
 # multi-head attention (no grouped keys); on the toy within seed noise of the default, on the chat
 # corpus 11-13 % lower gen PPL at 1,200 steps and none at 2,400 (docs/relf.md)
 QUERY = ["model.flow_query_layers=2", "model.num_kv_heads=4"]
-CORE_VARIANTS = {"relf": [], "plain": PLAIN, "whiten": ["flow.embed_whiten=true"], "query": QUERY}
+CORE_VARIANTS = {"relf": [], "plain": PLAIN, "free_head": FREE_HEAD, "whiten": ["flow.embed_whiten=true"],
+                 "query": QUERY}

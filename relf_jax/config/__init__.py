@@ -28,6 +28,7 @@ from relf_jax.config.schema import (
     TrainConfig,
     coerce,
     from_dict,
+    saved_model_config,
     validate_sampling,
 )
 
@@ -47,6 +48,7 @@ __all__ = [
     "coerce",
     "from_dict",
     "make_config",
+    "saved_model_config",
     "set_value",
     "validate_sampling",
 ]

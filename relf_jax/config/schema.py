@@ -81,6 +81,12 @@ class ModelConfig:
     # singular posterior, clip(log softmax(s(Z_j, t)), -10) / 10 [V], projected; a function of Z_j
     # alone, so a blind-spot network stays blind. Needs the embeddings at call time (`table=`).
     flow_evidence_input: bool = False
+    # relf: the residual head reads the fixed embeddings too (our extension; the default since
+    # 12-07): f = h W + (h P) E^T, P [d_model, flow_embed_dim] zero-initialised, so every word's
+    # residual logit shares a part in the embeddings' span, as tied input/output embeddings do in
+    # a small LM (ReLF-64 gen PPL -24 % at 600 steps, docs/relf.md). Needs the embeddings at call
+    # time (`relf_jax.flow.singular.network_residual` passes them). False: the head W alone.
+    flow_embed_head: bool = True
     block_size: int = 8  # bd: tokens per diffusion block; dws: the block size of the decoder predicted
     max_blocks: int = 16  # dws: output blocks on the workload surface's grid (B_max)
     # dws: "surface" (block head + step head -> S[b, s]) or a scalar baseline on the same encoder
@@ -388,7 +394,20 @@ def coerce(key: str, ftype: Any, value: Any) -> Any:
     raise ConfigError(f"{key}: unsupported field type {ftype}")
 
 
+# model fields added after checkpoints were first written, whose default changes the network: a
+# saved config without one was trained without it (field -> the value it then had)
+SAVED_WITHOUT = {"flow_embed_head": False}
+
+
+def saved_model_config(d: dict[str, Any]) -> "ModelConfig":
+    """The `ModelConfig` a checkpoint's saved model fields describe (`SAVED_WITHOUT` fills a field
+    it predates)."""
+    return ModelConfig(**{**SAVED_WITHOUT, **d})
+
+
 def from_dict(cls: type, d: dict[str, Any], prefix: str) -> Any:
+    if cls is ModelConfig:
+        d = {**SAVED_WITHOUT, **d}
     hints = typing.get_type_hints(cls)
     kwargs = {}
     names = {f.name for f in dataclasses.fields(cls)}

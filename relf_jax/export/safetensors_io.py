@@ -20,7 +20,7 @@ import os
 import numpy as np
 
 from relf_jax.checkpoint import EMBEDDINGS_FILE, LoadedModel
-from relf_jax.config import Config, ModelConfig
+from relf_jax.config import Config, saved_model_config
 from relf_jax.data.tokenizer import tokenizer_from_bytes
 from relf_jax.errors import UserError
 from relf_jax.export.flat import flat_params, params_from_flat, save_checkpoint
@@ -79,7 +79,7 @@ def load_safetensors(path: str, *, mesh=None) -> LoadedModel:
     if meta.get("format") != FORMAT:
         raise UserError(f"{path} was not written by relf_jax (format {meta.get('format')!r}); for a HuggingFace "
                         "directory use from_hf / relf-jax import-hf")
-    model_cfg = ModelConfig(**json.loads(meta["model"]))
+    model_cfg = saved_model_config(json.loads(meta["model"]))
     cfg = Config.from_dict(json.loads(meta["config"]))
     extra_names = json.loads(meta.get("extras", "[]"))
     extras = {n: tensors.pop(n) for n in extra_names}

@@ -26,8 +26,8 @@ from relf_jax.sampling.batch import Samples, collect, cut_at_stop, prompt_ids, s
 def segment_residual(model, segment_ids, table=None):
     """The samplers' ``residual_fn(z, t, sc[, known])`` of the ReLF network `model` on rows with
     `segment_ids` [B, L] (None: one segment); guidance's doubled batch gets them twice. `table`:
-    the fixed embeddings (the evidence input of a model with ``flow_evidence_input``,
-    `relf_jax.flow.singular.network_residual`)."""
+    the fixed embeddings (read by the default's embedding-tied head, ``flow_embed_head``, and the
+    evidence input of a model with ``flow_evidence_input``; `relf_jax.flow.singular.network_residual`)."""
     def residual(z, t, sc, known=None):
         seg = segment_ids
         if seg is not None and seg.shape[0] != z.shape[0]:

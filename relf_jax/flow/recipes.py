@@ -64,10 +64,12 @@ def flow_loss_settings(cfg: Config, pad_id: int = -1) -> FlowLossSettings:
                             per_position_t=f.per_position_t, context_loss=f.blind_spot)
 
 
-# model settings training sets from flow.*: a checkpoint trained with others cannot be resumed
+# network switches (most set by training from flow.*): a checkpoint trained with others cannot be resumed
 _NETWORK_SWITCHES = (("flow_prompt_input", "flow.prompt_prob > 0", "flow.prompt_prob = 0", "clean prompts"),
                      ("flow_aux_head", "flow.aux_weight > 0", "flow.aux_weight = 0", "an auxiliary head"),
-                     ("flow_blind_spot", "flow.blind_spot=true", "flow.blind_spot=false", "a blind-spot network"))
+                     ("flow_blind_spot", "flow.blind_spot=true", "flow.blind_spot=false", "a blind-spot network"),
+                     ("flow_embed_head", "model.flow_embed_head=true", "model.flow_embed_head=false",
+                      "an embedding-tied residual head"))
 
 
 def check_resumable(model_dir: str, model_cfg) -> None:
