@@ -105,7 +105,7 @@ def test_interleaved_timing_takes_each_ratio_within_a_round(monkeypatch):
     import types
 
     import relf_jax.speculative.recipes as recipes
-    from experiments.bench.spec import INTERLEAVED, _interleaved
+    from experiments.bench.spec import INTERLEAVED, interleaved_timing
     from relf_jax.methods import Autoregressive, DraftModel
 
     speed = {"ar_b1": 100.0, "standard_draft_b1": 170.0, "nsd0.9_draft_b1": 210.0, "nsd0.9_ngram_b1": 250.0,
@@ -126,7 +126,7 @@ def test_interleaved_timing_takes_each_ratio_within_a_round(monkeypatch):
 
     monkeypatch.setattr(recipes, "sample", fake_sample)
     cfg = Config()
-    out = _interleaved(None, ["p"], cfg, None, None, k=4, max_new=8, reps=3)
+    out = interleaved_timing(None, ["p"], cfg, None, None, k=4, max_new=8, reps=3)
     n = len(INTERLEAVED)
     assert len(calls) == 3 * n and sorted(calls[:n]) == sorted(speed)
     assert [calls[r * n] for r in range(3)] == [INTERLEAVED[r][0] for r in range(3)]  # rotated each round

@@ -82,7 +82,7 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
                       f"{s.tokens_per_s:8.1f} tok/s  tau {s.tau:4.2f}  gen PPL {q['gen_ppl']:7.2f}  "
                       f"entropy {q['entropy']:.2f}", flush=True)
     wall = time.perf_counter() - t0
-    interleaved = _interleaved(lm, prompts, cfg, draft, table, k, max_new, reps=2 if quick else 5)
+    interleaved = interleaved_timing(lm, prompts, cfg, draft, table, k, max_new, reps=2 if quick else 5)
     # verification cost: K + 1 tokens in one target forward vs one token
     costs = forward_costs(lm, k)
     with dispatch.references():  # the same forwards through XLA's dot alone (no CPU kernel)
@@ -127,7 +127,7 @@ INTERLEAVED_RATIOS = {"standard_over_ar_b1": ("standard_draft_b1", "ar_b1"),
                       "standard_over_ar_b8": ("standard_draft_b8", "ar_b8")}
 
 
-def _interleaved(lm, prompts, cfg, draft, table, k: int, max_new: int, reps: int) -> dict:
+def interleaved_timing(lm, prompts, cfg, draft, table, k: int, max_new: int, reps: int) -> dict:
     """The target rows (T = 1, K = `k`) timed round-robin: `reps` rounds, each decoding the same
     prompts once with every row, the order rotated by one each round. A ratio is taken within a
     round (its two rows a few seconds apart) and its median over rounds reported, so a host whose
