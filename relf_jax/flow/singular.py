@@ -148,11 +148,6 @@ def network_residual(model, z, sc, t, known=None, segment_ids=None, embeddings=N
             raise ValueError("this ReLF model reads each position's evidence (model.flow_evidence_input): "
                              "pass the fixed embeddings")
         evidence = evidence_input(z, t, embeddings)
-    extra = {}
-    if getattr(model, "reads_embeddings", False):
-        if embeddings is None:
-            raise ValueError("this ReLF model's head reads the fixed embeddings (model.flow_embed_head): "
-                             "pass the fixed embeddings")
-        extra["embeddings"] = embeddings
     call = model.logits_and_aux if aux else model
-    return call(z, sc, t, known, segment_ids, evidence=evidence, **extra)
+    # the embeddings also feed the default's embedding-tied head (`FlowLM`, ``flow_embed_head``)
+    return call(z, sc, t, known, segment_ids, evidence=evidence, embeddings=embeddings)

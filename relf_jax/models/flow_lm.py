@@ -149,18 +149,13 @@ class FlowLM(nnx.Module):
         evidence [B, L, V]: each position's clipped singular log-posterior, for a model built with
         ``flow_evidence_input`` (`reads_evidence`; `relf_jax.flow.singular.evidence_input`);
         embeddings [V, d_emb]: the fixed token embeddings, for a model built with
-        ``flow_embed_head`` (`reads_embeddings`, the default)."""
+        ``flow_embed_head`` (the default; ignored without it)."""
         return self._residual(self._hidden(z, sc, t, known, segment_ids, evidence), embeddings)
 
     @property
     def reads_evidence(self) -> bool:
         """Whether the network takes the ``evidence`` input (built with ``flow_evidence_input``)."""
         return self.in_ev is not None
-
-    @property
-    def reads_embeddings(self) -> bool:
-        """Whether the residual head takes the fixed embeddings (built with ``flow_embed_head``)."""
-        return self.out_emb is not None
 
     def _residual(self, h: jax.Array, embeddings: jax.Array | None) -> jax.Array:
         f = self._head(h, self.out)
