@@ -1,6 +1,7 @@
 """The arithmetic of `relf-jax bench relf`: matched-entropy interpolation and target ratios."""
 
 import inspect
+import os
 import math
 
 import pytest
@@ -241,12 +242,20 @@ def test_core_options_are_checked():
 
     with pytest.raises(UserError, match="variants must be among"):
         bench_relf_core("unused.json", variants=["nope"])
+    from experiments.bench.relf import bench_relf
+
+    for parts, variants in ((["reflow"], ["query"]), (["models", "reflow"], ["relf"]), (["reflow"], [])):
+        with pytest.raises(UserError, match="--variants applies"):  # checked before anything is prepared
+            bench_relf("unused.json", parts=parts, variants=variants)
     parse = build_parser().parse_args
     opts = bench_options(parse(["bench", "relf", "--out", "x.json", "--parts", "core", "--budgets", "600,1200",
                                  "--variants", "relf", "--ar-rows", "a.json"]))
     assert opts == {"parts": ["core"], "budgets": [600, 1200], "variants": ["relf"], "ar_rows": "a.json"}
+    opts = bench_options(parse(["bench", "relf", "--out", "x.json", "--parts", "reflow", "--variants", "relf"]))
+    assert opts == {"parts": ["reflow"], "variants": ["relf"]}
     for argv in (["bench", "relf", "--out", "x.json", "--budgets", "600"],  # not the core part
                  ["bench", "spec", "--out", "x.json", "--variants", "relf"],
+                 ["bench", "relf", "--out", "x.json", "--parts", "models,reflow", "--variants", "relf"],
                  ["bench", "relf", "--out", "x.json", "--parts", "core", "--ablation"]):
         with pytest.raises(UserError):
             bench_options(parse(argv))
@@ -269,3 +278,33 @@ def test_core_run_reuses_rows_and_keeps_a_borrowed_sweeps_extra_temperatures(tmp
     run.old = [ar(0.8, "bd.json"), ar(1.0, "bd.json"), ar(1.2, "bd.json"), ar(0.8, "bd.json"), ar(1.2, "bd.json")]
     run.ar_rows(600, (0.8, 1.0), 2048.0)
     assert [r["temperature"] for r in run.rows] == [0.8, 1.0, 1.2]
+
+
+@pytest.mark.parametrize("variants, studied", [(["relf"], ["steps4"]), (["plain"], ["steps4_plain"]),
+                                                (None, ["steps4_plain", "steps4"])])
+def test_reflow_part_runs_the_studies_of_the_named_models_only(tmp_path, monkeypatch, variants, studied):
+    """`--parts reflow --variants relf` trains and reflows the default model alone (no plain model)."""
+    import types
+
+    import experiments.bench.relf as br
+
+    shared = tmp_path / "shared"
+    (shared / "data").mkdir(parents=True)
+    (shared / "tokenizer.model").write_text("tok")
+    cfg = types.SimpleNamespace(workdir=str(shared), train=types.SimpleNamespace(steps=4, batch_size=2),
+                                data=types.SimpleNamespace(seq_len=8))
+    trained, reflowed = [], []
+    monkeypatch.setattr(br, "make_config", lambda preset, overrides, workdir: cfg)
+    for name in ("prepare_data", "prepare_tokenizer", "exact_judge"):
+        monkeypatch.setattr(br, name, lambda *a, **k: types.SimpleNamespace(name="fake"))
+    monkeypatch.setattr(br.rj, "train", lambda c: trained.append(c))
+    monkeypatch.setattr(br, "load_model", lambda path, family: path)
+    monkeypatch.setattr(br, "relf_rows", lambda *a, **k: None)
+    monkeypatch.setattr(br, "targets", lambda *a, **k: {})
+    monkeypatch.setattr(br, "reflow", lambda wd, **k: reflowed.append(os.path.basename(wd)) or {})
+    report = br.bench_relf(str(tmp_path / "out.json"), workdir=str(tmp_path / "root"), parts=["reflow"],
+                           variants=variants)
+    assert sorted(report["straightness"]) == sorted({"steps4": "relf", "steps4_plain": "plain"}[s] for s in studied)
+    # each study: the reflow rounds and the no-pairs control rounds
+    assert reflowed == [s for s in studied for _ in range(2)]
+    assert len(trained) == 1 + ("steps4_plain" in studied)

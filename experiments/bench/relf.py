@@ -87,7 +87,9 @@ def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overri
     with rows before and after each) and "latency"; those three by default. "core" alone
     (`bench_relf_core`) is the issue-35 comparison at one budget: the unigram reference, the AR
     sweep, the default ReLF and the paper's plain parametrisation, with text tokens per step;
-    `budgets`, `variants` and `ar_rows` apply to it only (see `bench_relf_core`)."""
+    `budgets` and `ar_rows` apply to it only (see `bench_relf_core`). `variants` names the core
+    part's models, or, with "reflow" alone, whose reflow studies run ("relf", `REFLOW_EXTENSIONS`;
+    default all)."""
     from relf_jax.errors import UserError
 
     unknown = sorted(set(parts) - set(PARTS))
@@ -97,17 +99,23 @@ def bench_relf(out: str, quick: bool = False, workdir: str | None = None, overri
     if "core" in parts:
         return bench_relf_core(out, quick=quick, workdir=workdir, overrides=overrides, budgets=budgets,
                                variants=variants, ar_rows=ar_rows)
-    if budgets or variants or ar_rows:
-        raise UserError("budgets, variants and ar_rows apply to bench relf --parts core only")
-    return _ReLFBench(out, quick, workdir, overrides, parts).run()
+    if budgets or ar_rows:
+        raise UserError("budgets and ar_rows apply to bench relf --parts core only")
+    reflow_models = ("relf", *REFLOW_EXTENSIONS)
+    if variants is not None and (tuple(parts) != ("reflow",) or not variants or set(variants) - set(reflow_models)):
+        raise UserError(f"bench relf --variants applies to --parts core, or to --parts reflow alone with models "
+                        f"among {', '.join(reflow_models)}; got parts {list(parts)}, variants {list(variants)}")
+    return _ReLFBench(out, quick, workdir, overrides, parts, tuple(variants or reflow_models)).run()
 
 
 class _ReLFBench:
     """One `bench relf` run: the shared data, the rows measured so far (written after each), and
     the steps of the run (`run`: for each budget, `budget`)."""
 
-    def __init__(self, out: str, quick: bool, workdir: str | None, overrides: Sequence[str], parts: Sequence[str]):
+    def __init__(self, out: str, quick: bool, workdir: str | None, overrides: Sequence[str], parts: Sequence[str],
+                 reflow_models: Sequence[str]):
         self.out, self.quick, self.overrides, self.parts = out, quick, list(overrides), parts
+        self.reflow_models = reflow_models  # the models whose reflow studies run ("relf" and / or extensions)
         self.preset = preset = "tiny" if quick else "cpu"
         self.root = os.path.abspath(workdir or os.path.join("runs", f"bench_relf_{preset}"))
         self.base = make_config(preset, list(overrides), workdir=os.path.join(self.root, "shared"))
@@ -221,7 +229,7 @@ class _ReLFBench:
             self.record(result_row(s, self.judge, method="relf stochastic prompt_training", nfe=64, reflow_rounds=0,
                                    steps=steps, variant="prompt_training", batch=plm.cfg.sample.batch_size))
         for name, extra in EXTENSIONS.items():
-            with_reflow = name in REFLOW_EXTENSIONS and "reflow" in self.parts
+            with_reflow = name in REFLOW_EXTENSIONS and "reflow" in self.parts and name in self.reflow_models
             if not (self.models or with_reflow):
                 continue
             ewd, elm = self.train_relf(f"steps{steps}_{name}", steps, extra)
@@ -232,7 +240,7 @@ class _ReLFBench:
         if self.models:
             self.prompted = prompted_rows(ar_lm, lm, plm, self.judge,
                                           held_out_prompts(cfg, 16 if self.quick else 128), steps=steps)
-        if "reflow" in self.parts:
+        if "reflow" in self.parts and "relf" in self.reflow_models:
             self.straight["relf"] = self.reflow_study(wd, "relf")
         if "latency" in self.parts:
             self.latency = latency_rows(ar_lm, lm, length=cfg.data.seq_len, batches=(1, 64))

@@ -35,10 +35,10 @@ def bench_args(p):
     p.add_argument("--budgets", default=None, help="bench bd and bench relf --parts core: training budgets in "
                                                    "steps, comma-separated (bd default 600,1200; core default "
                                                    "the preset's train.steps)")
-    p.add_argument("--variants", default=None, help="bench relf --parts core only: which ReLF models, "
-                                                    "comma-separated among relf (the default), plain, free_head, "
-                                                    "whiten, query; "
-                                                    "default all")
+    p.add_argument("--variants", default=None, help="bench relf --parts core or --parts reflow only: which "
+                                                    "ReLF models, comma-separated; core: among relf (the "
+                                                    "default), plain, free_head, whiten, query; reflow: whose "
+                                                    "reflow studies, among relf, plain; default all")
     p.add_argument("--ablation", action="store_true", help="bench bd only: also the old one-conversation-per-row "
                                                            "layout at the first budget")
     p.add_argument("--ar-rows", default=None, help="bench bd and bench relf --parts core: a bench relf or bd "
@@ -81,8 +81,8 @@ def bench_options(args) -> dict:
         except ValueError:
             raise UserError(f"--budgets must be comma-separated step counts, got {args.budgets!r}") from None
     if args.variants is not None:
-        if not core:
-            raise UserError("--variants applies to bench relf --parts core only")
+        if not (core or args.which == "relf" and extra.get("parts") == ["reflow"]):
+            raise UserError("--variants applies to bench relf --parts core or --parts reflow only")
         extra["variants"] = [v.strip() for v in args.variants.split(",") if v.strip()]
     return extra
 
