@@ -1,8 +1,8 @@
 """The arithmetic of `relf-jax bench relf`: matched-entropy interpolation and target ratios."""
 
 import inspect
-import os
 import math
+import os
 
 import pytest
 
