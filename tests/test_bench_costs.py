@@ -1,6 +1,7 @@
 """`bench spec`'s verification-cost probe on a tiny model: shapes of the report, sane numbers; where
 its draft is distilled."""
 
+import math
 import os
 
 import pytest
@@ -134,3 +135,57 @@ def test_interleaved_timing_takes_each_ratio_within_a_round(monkeypatch):
     assert out["ratios"]["nsd0.9_over_standard_b1"] == pytest.approx(210 / 170)
     assert out["ratios"]["standard_over_ar_b8"] == pytest.approx(0.9)
     assert len(out["tokens_per_s"]["ar_b1"]) == 3 and out["tokens_per_s"]["ar_b1"][2] < out["tokens_per_s"]["ar_b1"][0]
+
+
+def test_quality_section_scores_each_rule_against_the_ar_curve_at_its_entropy(monkeypatch):
+    """AR rows at four temperatures make the curve; a row on it reads 1.0, a row 10 % above it
+    1.1, and NSD's ratio over the standard rule is the quotient of the two."""
+    import types
+
+    import experiments.bench.spec_quality as sq
+    import relf_jax.speculative.recipes as recipes
+    from relf_jax.methods import Autoregressive, DraftModel
+
+    # AR: entropy 2 + T, log gen PPL linear in entropy; the standard rule on the curve, NSD above it
+    def fake_sample(lm, prompts, sample_cfg, method, ngram_table):
+        t = sample_cfg.temperature
+        assert sample_cfg.batch_size == 8 and len(prompts) == 3
+        if isinstance(method, Autoregressive):
+            e, scale = 2.0 + t, 1.0
+        elif method.rule == "standard":
+            e, scale = 3.05, 1.0
+        else:
+            e, scale = (3.05, 1.1) if isinstance(method.proposer, DraftModel) else (2.85, 1.3)
+        return types.SimpleNamespace(texts=[f"{e} {scale}"] * 3, complete=[True] * 3, tau=2.0)
+
+    def fake_quality(judge, prompts, texts, complete):
+        e, scale = map(float, texts[0].split())
+        return {"gen_ppl": scale * math.exp(2 * e), "entropy": e, "reply_words": 10.0, "replies": 3}
+
+    monkeypatch.setattr(recipes, "sample", fake_sample)
+    monkeypatch.setattr(sq, "reply_quality", fake_quality)
+    out = sq.quality_section(None, Config(), None, None, None, ["a", "b", "c"], k=4, max_new=8)
+    names = [r["name"] for r in out["rows"]]
+    assert names == ["ar"] * len(sq.QUALITY_TEMPERATURES) + [r[0] for r in sq.QUALITY_ROWS]
+    by = {r["name"]: r for r in out["rows"]}
+    assert by["standard_draft"]["over_ar_at_entropy"] == pytest.approx(1.0)
+    assert by["nsd0.9_draft"]["over_ar_at_entropy"] == pytest.approx(1.1)
+    assert by["nsd0.9_ngram"]["entropy_outside_sweep"] == 0.0
+    assert out["ratios"] == pytest.approx({"nsd0.9_draft_over_standard_at_entropy": 1.1,
+                                          "nsd0.9_ngram_over_standard_at_entropy": 1.3})
+
+
+def test_cpu_wide_draft_defaults_to_its_longer_distillation(monkeypatch):
+    import experiments.bench.spec as spec
+
+    seen = {}
+
+    def stop(preset, workdir, overrides, draft_overrides, distill_steps):
+        seen[preset] = distill_steps
+        raise KeyboardInterrupt  # nothing after the models is needed here
+
+    monkeypatch.setattr(spec, "ensure_target_and_draft", stop)
+    for preset, steps in (("cpu-wide", None), ("cpu", None), ("cpu-wide", 300)):
+        with pytest.raises(KeyboardInterrupt):
+            spec.bench_spec("unused.json", preset=preset, draft_steps=steps, workdir="unused")
+        assert seen[preset] == (steps or (spec.WIDE_DRAFT_STEPS if preset == "cpu-wide" else None))

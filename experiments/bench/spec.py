@@ -6,7 +6,8 @@ plus the target's forward cost over K + 1 tokens relative to one token (`target_
 and `target_forward_cost_xla_dot` without the CPU small-matmul kernel), which decides whether
 speculation can pay on this hardware, the host (CPU, last-level cache, vector ISA), and the cost model
 (`experiments.bench.spec_cost`): where a round spends its time, the predicted against the measured
-speedups, and the target's memory regime.
+speedups, and the target's memory regime; the target rows timed round-robin (`interleaved_timing`)
+and their quality on 256 more prompts at matched entropy (`experiments.bench.spec_quality`).
 
 Every row of a benchmark is measured in the same process, one after the other, on the same
 prompts, so ratios between rows are meaningful on a noisy machine.
@@ -24,6 +25,7 @@ import numpy as np
 
 from experiments.bench import spec_cost
 from experiments.bench.common import ensure_target_and_draft, find_row, held_out_prompts, reply_quality
+from experiments.bench.spec_quality import QUALITY_PROMPTS, QUICK_QUALITY_PROMPTS, quality_section
 from kernels_pallas import dispatch
 from relf_jax.io import write_json
 from relf_jax.methods import Autoregressive, Speculative, parse_proposer
@@ -34,6 +36,9 @@ from relf_jax.speculative.cost import forward_costs
 # depth, would cost a quarter)
 SMALL_DRAFT = ("model.d_model=128", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
                "model.mlp_dim=384", "model.head_dim=0", "model.weight_layout=in_out")
+# cpu-wide's draft is distilled for twice the target's steps: at 300 (half, the demo's rule) its
+# distillation CE was still falling and tau was 2.04 at T = 1; at 1,200, 3.43 (docs/speculative.md)
+WIDE_DRAFT_STEPS = 1200
 
 
 def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),
@@ -43,8 +48,9 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
 
     preset = preset or ("tiny" if quick else "cpu")
     workdir = workdir or os.path.join("runs", f"bench_spec_{preset}")
-    cfg, lm, draft = ensure_target_and_draft(preset, workdir, overrides,
-                                             SMALL_DRAFT if preset == "cpu-wide" else (), distill_steps=draft_steps)
+    wide = preset == "cpu-wide"
+    cfg, lm, draft = ensure_target_and_draft(preset, workdir, overrides, SMALL_DRAFT if wide else (),
+                                             distill_steps=draft_steps or (WIDE_DRAFT_STEPS if wide else None))
     judge = exact_judge(cfg)
     max_new = 32 if quick else 64
     n_prompts = 8 if quick else 16
@@ -83,6 +89,9 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
                       f"entropy {q['entropy']:.2f}", flush=True)
     wall = time.perf_counter() - t0
     interleaved = interleaved_timing(lm, prompts, cfg, draft, table, k, max_new, reps=2 if quick else 5)
+    quality = quality_section(lm, cfg, draft, table, judge,
+                              held_out_prompts(cfg, QUICK_QUALITY_PROMPTS if quick else QUALITY_PROMPTS, seed=54321),
+                              k, max_new)
     # verification cost: K + 1 tokens in one target forward vs one token
     costs = forward_costs(lm, k)
     with dispatch.references():  # the same forwards through XLA's dot alone (no CPU kernel)
@@ -95,7 +104,8 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
               "num_prompts": n_prompts, "wall_s": wall,
               "draft_cost_ratio": _cost_ratio(lm, draft), "target_forward_cost": costs,
               "target_forward_cost_xla_dot": costs_xla, "host": spec_cost.host(),
-              "interleaved": interleaved, "round_profile": profs, "cost_model": preds, "matvec": bandwidth,
+              "interleaved": interleaved, "quality": quality, "round_profile": profs, "cost_model": preds,
+              "matvec": bandwidth,
               "regime": spec_cost.regime(lm, [r for r in rows if r["rule"] == "none"], costs, bandwidth),
               # past the caches: random-weight wide shapes' K + 1-token cost (not with --quick)
               "wide_probe": [] if quick else spec_cost.wide_probe(k),
@@ -113,6 +123,7 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
               f"{p['outside_round_ms']:.2f})")
     print(json.dumps(report["regime"], indent=2))
     print(json.dumps(interleaved["ratios"], indent=2))
+    print(json.dumps(quality["ratios"], indent=2))
     return report
 
 

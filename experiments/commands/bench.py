@@ -31,7 +31,8 @@ def bench_args(p):
     p.add_argument("--preset", default=None, help="bench spec only: the target's preset (default cpu; cpu-wide: "
                                                   "a target past the caches, with a small distilled draft)")
     p.add_argument("--draft-steps", type=int, default=None, help="bench spec only: the draft's distillation "
-                                                                 "steps (default half the target's)")
+                                                                 "steps (default half the target's; cpu-wide: "
+                                                                 "1200)")
     p.add_argument("--budgets", default=None, help="bench bd and bench relf --parts core: training budgets in "
                                                    "steps, comma-separated (bd default 600,1200; core default "
                                                    "the preset's train.steps)")
