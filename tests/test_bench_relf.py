@@ -26,6 +26,28 @@ def test_ar_ppl_at_entropy_interpolates_log_ppl_and_reports_the_gap():
     assert ppl == pytest.approx(10.0) and gap == pytest.approx(0.5)
 
 
+def test_fitted_read_off_recovers_a_smooth_sweep_and_averages_out_entropy_noise():
+    from relf_jax.eval.baselines import ar_ppl_at_entropy_fitted
+
+    temps = [0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3]
+
+    def sweep(noise=()):  # entropy 2 + T, log gen PPL 3 T: gen PPL at entropy e is exp(3 (e - 2))
+        noise = list(noise) or [0.0] * len(temps)
+        return [{"temperature": t, "entropy": 2.0 + t + d, "gen_ppl": math.exp(3.0 * t)} for t, d in zip(temps, noise)]
+
+    ppl, gap, t = ar_ppl_at_entropy_fitted(sweep(), 2.95)
+    assert ppl == pytest.approx(math.exp(2.85), rel=1e-3) and gap == 0.0 and t == pytest.approx(0.95, abs=1e-3)
+    ppl, gap, t = ar_ppl_at_entropy_fitted(sweep(), 3.5)  # past the hottest row: its end, and the gap
+    assert ppl == pytest.approx(math.exp(3.9), rel=1e-3) and gap == pytest.approx(0.2) and t == 1.3
+    # two neighbours' entropies swapped by noise: the line through them is far off, the fit is not
+    noisy = sweep([0, 0, 0.045, -0.045, 0, 0, 0, 0])
+    truth = math.exp(3.0 * 0.86)
+    piecewise, _ = ar_ppl_at_entropy(noisy, 2.86)
+    fitted, _, _ = ar_ppl_at_entropy_fitted(noisy, 2.86)
+    assert abs(math.log(fitted / truth)) < 0.5 * abs(math.log(piecewise / truth))
+    assert ar_ppl_at_entropy_fitted(sweep()[:3], 3.0) is None  # too few temperatures for a quadratic
+
+
 def _relf(steps, nfe, rounds, ppl, entropy=3.0, variant="relf", method=None, **kw):
     return {"variant": variant, "train_steps": steps, "nfe": nfe, "reflow_rounds": rounds, "gen_ppl": ppl,
             "entropy": entropy, "method": method or ("relf stochastic linear" if nfe == 64 else "relf euler"),
@@ -219,6 +241,14 @@ def test_core_targets_over_budgets():
     assert t["steps600_over_positional_unigram_gen_ppl"]["relf stochastic 64"] == pytest.approx(0.8)
     assert t["by_budget"]["relf_stochastic64"]["1200"]["ratio_vs_ar"] == pytest.approx(3.0)
     assert t["gen_ppl_falls_with_budget"] == {"relf_stochastic64": True}
+    assert m["ratio_fitted"] is None  # two temperatures: too few for the fit
+    rows = _core_rows() + [{"variant": "ar", "train_steps": 600, "method": f"ar T={t}", "temperature": t,
+                            "entropy": 3.0 + 2 * (t - 0.8), "gen_ppl": 100.0 * 4 ** ((t - 0.8) / 0.2), "nfe": None}
+                           for t in (0.9, 1.1)]
+    m = core_targets(rows, {}, (600,))["steps600_relf_stochastic64_vs_ar_at_matched_entropy"]
+    assert m["ar_gen_ppl_fitted"] == pytest.approx(200.0, rel=1e-3)
+    assert m["ratio_fitted"] == pytest.approx(2.0, rel=1e-3)
+    assert m["ar_temperature_fitted"] == pytest.approx(0.9, abs=1e-3)
     rows = _core_rows()
     rows[-1]["gen_ppl"] = 450.0
     assert core_targets(rows, {}, (600, 1200))["gen_ppl_falls_with_budget"] == {"relf_stochastic64": False}

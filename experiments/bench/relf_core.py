@@ -30,7 +30,7 @@ from experiments.bench.relf_variants import AR_TEMPERATURES, CORE_VARIANTS, QUIC
 from relf_jax.config import make_config
 from relf_jax.data.prepare import prepare_data, prepare_tokenizer, row_mode
 from relf_jax.errors import UserError
-from relf_jax.eval.baselines import ar_ppl_at_entropy, positional_unigram_samples
+from relf_jax.eval.baselines import ar_ppl_at_entropy, ar_ppl_at_entropy_fitted, positional_unigram_samples
 from relf_jax.eval.evaluate import exact_judge
 from relf_jax.flow.generate import sample_relf
 from relf_jax.io import write_json
@@ -158,7 +158,9 @@ class CoreRun:
 
 def core_targets(rows: Sequence[dict], tokens: dict, budgets: Sequence[int]) -> dict:
     """Per budget (keys ``steps{N}_...``): each ReLF row's gen PPL over AR's at its entropy (the AR
-    sweep of the same budget, interpolated) and over the positional unigram's (the reference row);
+    sweep of the same budget, interpolated between neighbouring points, and read off quadratic fits
+    in temperature, ``ratio_fitted``: `ar_ppl_at_entropy_fitted`) and over the positional
+    unigram's (the reference row);
     across budgets, per ReLF row kind: its gen PPL, entropy and ratio by budget and whether gen
     PPL falls from each budget to the next."""
     tgt = {"text_tokens_per_step": tokens, "optimizer_steps": list(budgets)}
@@ -174,12 +176,17 @@ def core_targets(rows: Sequence[dict], tokens: dict, budgets: Sequence[int]) -> 
             if not ar_rows:
                 continue
             ppl, gap = ar_ppl_at_entropy(ar_rows, r["entropy"])
+            fitted = ar_ppl_at_entropy_fitted(ar_rows, r["entropy"]) or (None, None, None)
             tgt[f"steps{steps}_{name}_vs_ar_at_matched_entropy"] = {
                 "relf_gen_ppl": r["gen_ppl"], "relf_entropy": r["entropy"], "ar_gen_ppl_interpolated": ppl,
                 "entropy_outside_ar_sweep_nats": gap, "ratio": ratio(r["gen_ppl"], ppl),
+                # the same read-off from quadratic fits of the sweep in temperature (less noise)
+                "ar_gen_ppl_fitted": fitted[0], "ar_temperature_fitted": fitted[2],
+                "entropy_outside_fitted_sweep_nats": fitted[1], "ratio_fitted": ratio(r["gen_ppl"], fitted[0]),
                 "target": "<= 1.5 (paper: <= 1.0)" if r["variant"] == "relf" and r["nfe"] == 64 else None}
             curves.setdefault(name, {})[str(steps)] = {"gen_ppl": r["gen_ppl"], "entropy": r["entropy"],
-                                                       "ratio_vs_ar": ratio(r["gen_ppl"], ppl)}
+                                                       "ratio_vs_ar": ratio(r["gen_ppl"], ppl),
+                                                       "ratio_vs_ar_fitted": ratio(r["gen_ppl"], fitted[0])}
         tgt[f"steps{steps}_over_positional_unigram_gen_ppl"] = over_uni
     if len(budgets) > 1:
         tgt["by_budget"] = curves

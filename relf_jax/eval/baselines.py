@@ -45,3 +45,29 @@ def ar_ppl_at_entropy(ar_rows: Sequence[dict], entropy: float) -> tuple[float, f
     if entropy >= xs[-1]:
         return math.exp(ys[-1]), entropy - xs[-1]
     return math.exp(float(np.interp(entropy, xs, ys))), 0.0
+
+
+def ar_ppl_at_entropy_fitted(ar_rows: Sequence[dict], entropy: float, degree: int = 2,
+                             grid: int = 2001) -> tuple[float, float, float] | None:
+    """AR gen PPL at `entropy` read off smooth fits of the sweep: entropy and log gen PPL each a
+    least-squares polynomial of degree `degree` in the temperature (rows with ``temperature``,
+    ``entropy`` and ``gen_ppl``), solved for the temperature whose fitted entropy is `entropy`.
+    Returns (gen PPL, the entropy's distance outside the fitted range, that temperature), or None
+    for a sweep of fewer than degree + 2 temperatures.
+
+    Why next to `ar_ppl_at_entropy`: one sweep row's entropy carries sampling noise comparable to
+    the step between neighbouring temperatures (the `cpu` preset at 600 steps: T = 0.8 and 0.9 both
+    at 3.24-3.25 nats with gen PPL 110 and 181), so a line through the two points nearest a
+    ReLF row's entropy can move the read-off by tens of percent; a fit over the whole sweep
+    averages that noise out."""
+    pts = sorted((r["temperature"], r["entropy"], math.log(r["gen_ppl"])) for r in ar_rows
+                 if r.get("gen_ppl") and r.get("temperature") is not None)
+    if len({p[0] for p in pts}) < degree + 2:
+        return None
+    ts, es, ls = (np.array(c, np.float64) for c in zip(*pts))
+    fit_e, fit_l = np.polyfit(ts, es, degree), np.polyfit(ts, ls, degree)
+    tt = np.linspace(ts[0], ts[-1], grid)
+    ee = np.polyval(fit_e, tt)
+    i = int(np.argmin(np.abs(ee - entropy)))
+    gap = max(0.0, float(ee.min()) - entropy, entropy - float(ee.max()))
+    return float(np.exp(np.polyval(fit_l, tt[i]))), gap, float(tt[i])
