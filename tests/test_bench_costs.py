@@ -4,6 +4,7 @@ its draft is distilled."""
 import math
 import os
 
+import numpy as np
 import pytest
 
 from relf_jax.checkpoint import LoadedModel
@@ -162,9 +163,14 @@ def test_quality_section_scores_each_rule_against_the_ar_curve_at_its_entropy(mo
         e, scale = map(float, texts[0].split())
         return {"gen_ppl": scale * math.exp(2 * e), "entropy": e, "reply_words": 10.0, "replies": 3}
 
+    def fake_scores(prompts, texts, complete):  # 10 words a reply at the row's gen PPL
+        e, scale = map(float, texts[0].split())
+        return np.full(len(texts), -10.0 * (math.log(scale) + 2 * e)), np.full(len(texts), 10.0)
+
     monkeypatch.setattr(recipes, "sample", fake_sample)
     monkeypatch.setattr(sq, "reply_quality", fake_quality)
-    out = sq.quality_section(None, Config(), None, None, None, ["a", "b", "c"], k=4, max_new=8)
+    judge = types.SimpleNamespace(score_replies=fake_scores)
+    out = sq.quality_section(None, Config(), None, None, judge, ["a", "b", "c"], k=4, max_new=8)
     names = [r["name"] for r in out["rows"]]
     assert names == ["ar"] * len(sq.QUALITY_TEMPERATURES) + [r[0] for r in sq.QUALITY_ROWS]
     by = {r["name"]: r for r in out["rows"]}
@@ -173,6 +179,29 @@ def test_quality_section_scores_each_rule_against_the_ar_curve_at_its_entropy(mo
     assert by["nsd0.9_ngram"]["entropy_outside_sweep"] == 0.0
     assert out["ratios"] == pytest.approx({"nsd0.9_draft_over_standard_at_entropy": 1.1,
                                           "nsd0.9_ngram_over_standard_at_entropy": 1.3})
+    # raw gen-PPL ratios: NSD 1.1x the standard rule, every resample alike (all replies equal)
+    boot = out["bootstrap"]["nsd0.9_draft_over_standard"]
+    assert boot["ratio"] == pytest.approx(1.1) and boot["ci95"] == pytest.approx([1.1, 1.1])
+    assert out["bootstrap"]["standard_over_ar_T1"]["ratio"] == pytest.approx(math.exp(2 * (3.05 - 3.0)))
+
+
+def test_bootstrap_interval_brackets_the_ratio_and_pairs_the_prompts():
+    """Replies whose difficulty varies by prompt: a row 10 % worse on every prompt reads 1.1 with
+    a tight interval, because each resample takes both rows' replies to the same prompts."""
+    from experiments.bench.spec_quality import bootstrap
+
+    rng = np.random.default_rng(3)
+    words = rng.integers(5, 40, 200).astype(float)
+    nll = words * rng.uniform(2.0, 8.0, 200)  # per-prompt difficulty
+    base = (-nll, words)
+    worse = (-(nll + words * math.log(1.1)), words)
+    noisy = (-(nll + words * rng.normal(0.0, 0.5, 200)), words)
+    out = bootstrap({("ar", 1.0): base, ("standard_draft", 1.0): noisy, ("nsd0.9_draft", 1.0): worse})
+    lo, hi = out["nsd0.9_draft_over_ar_T1"]["ci95"]
+    assert out["nsd0.9_draft_over_ar_T1"]["ratio"] == pytest.approx(1.1) and lo == pytest.approx(1.1)
+    assert hi == pytest.approx(1.1)
+    r = out["standard_over_ar_T1"]
+    assert r["ci95"][0] < r["ratio"] < r["ci95"][1] and r["ci95"][1] - r["ci95"][0] > 0.01
 
 
 def test_cpu_wide_draft_defaults_to_its_longer_distillation(monkeypatch):
