@@ -60,6 +60,11 @@ def test_cost_model_rows_name_the_gap_between_measured_and_predicted():
     # the measured speedup is tau x AR step / measured round: the named parts add up
     assert abs(p["measured_speedup"] - p["tau"] * p["ar_step_ms"] / p["round_measured_ms"]) < 1e-12
     assert p["measured_over_predicted"] == 1.5 / 2.0
+    assert "predicted_speedup_forward_cost" not in p
+    # with the report's forward costs: r = 1.5 for 5 tokens at batch 1, c = 2 / 8 for the 4 drafts
+    (p,) = predictions(rows, {"draft_b1": prof}, k=4, costs={"b1": {"ratio": 1.5}, "b8": {"ratio": 3.0}})
+    assert p["predicted_speedup_forward_cost"] == pytest.approx(3.0 / (0.25 + 1.5))
+    assert p["measured_over_predicted_forward_cost"] == pytest.approx(1.5 / (3.0 / 1.75))
 
 
 def test_another_preset_s_forward_cost_is_measured_on_its_shape():

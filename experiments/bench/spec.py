@@ -98,7 +98,7 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
         costs_xla = forward_costs(lm, k)
     profs = spec_cost.profiles(lm, draft, table, k=k)
     bandwidth = spec_cost.matvec_bandwidth()
-    preds = spec_cost.predictions(rows, profs, k)
+    preds = spec_cost.predictions(rows, profs, k, costs)
     report = {"rows": rows, "ratios": _spec_ratios(rows, (1.0,) if quick else (1.0, 0.7, 0.0), k),
               "preset": preset, "draft_distill_steps": draft.step, "k": k, "max_new_tokens": max_new,
               "num_prompts": n_prompts, "wall_s": wall,

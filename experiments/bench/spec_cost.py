@@ -66,7 +66,7 @@ def profiles(lm, draft, table, *, k: int, batches=(1, 8), proposers=("draft", "c
     return out
 
 
-def predictions(rows: list[dict], profs: dict, k: int) -> list[dict]:
+def predictions(rows: list[dict], profs: dict, k: int, costs: dict | None = None) -> list[dict]:
     """For every speculative row at K = `k` whose proposer and batch were profiled: the measured
     speedup over AR (same batch and temperature) next to the standard model's prediction from the
     row's tau (`expected_speedup`: the drafts + the K + 1-token forward, in one-token forwards), and
@@ -75,7 +75,14 @@ def predictions(rows: list[dict], profs: dict, k: int) -> list[dict]:
     ar_step_ms / round_measured_ms exactly; against the profile, ``ar_overhead_ms`` is what an AR step
     costs beyond its forward (sampling, the loop, prefill and the host, spread over the tokens) and
     the round's own overheads are the verification rule, the bookkeeping and ``outside_round_ms``
-    (the same loop, prefill and host costs of the speculative decode)."""
+    (the same loop, prefill and host costs of the speculative decode).
+
+    With `costs` (`relf_jax.speculative.cost.forward_costs`: the K + 1-token over one-token forward
+    ratio r per batch, the report's ``target_forward_cost``), also ``predicted_speedup_forward_cost``
+    = tau / (K c + r) with that r and c the profile's drafts over its one-token forward: the two
+    forwards timed in one loop back to back, where the profile's ``target_forward_ms`` and
+    ``one_token_ms`` come from two loops over a state of another shape (on the EPYC they read a
+    5-token forward 1.04x a one-token one at batch 1, against 1.58x in `forward_costs`)."""
     out = []
     for r in rows:
         prof = profs.get(f"{r['proposer']}_b{r['batch']}")
@@ -94,6 +101,11 @@ def predictions(rows: list[dict], profs: dict, k: int) -> list[dict]:
                     "verify_ms": prof["verify_ms"], "bookkeeping_ms": prof["bookkeeping_ms"],
                     "outside_round_ms": round_measured - prof["round_ms"]})
         out[-1]["measured_over_predicted"] = out[-1]["measured_speedup"] / out[-1]["predicted_speedup"]
+        fc = (costs or {}).get(f"b{r['batch']}")
+        if fc is not None:
+            pred = r["tau"] / (prof["propose_ms"] / prof["one_token_ms"] + fc["ratio"])
+            out[-1]["predicted_speedup_forward_cost"] = pred
+            out[-1]["measured_over_predicted_forward_cost"] = out[-1]["measured_speedup"] / pred
     return out
 
 
