@@ -40,6 +40,38 @@ def test_round_profile_splits_a_round_into_its_parts():
     assert expected_speedup(2.0, propose_ms=0.0, target_forward_ms=1.0, one_token_ms=1.0) == 2.0
 
 
+def test_decode_step_is_the_slope_between_two_reply_lengths_and_feeds_the_regime():
+    from experiments.bench.spec_cost import regime
+    from relf_jax.speculative.cost import decode_step_ms, weight_bytes
+    from tests._serving import tiny_lm
+
+    lm = tiny_lm(num_layers=1)
+    out = decode_step_ms(lm, batch=1, prompt_len=4, steps=(4, 12), reps=1)
+    assert out["generate_4_ms"] > 0 and out["generate_12_ms"] > 0
+    assert out["step_ms"] == pytest.approx((out["generate_12_ms"] - out["generate_4_ms"]) / 8)
+    assert out["fixed_ms"] + 4 * out["step_ms"] == pytest.approx(out["generate_4_ms"])
+    # the regime reads the weights' traffic per step three ways, each over the matrix-vector rate
+    costs = {"b1": {"one_token_ms": 0.5, "ratio": 1.2}}
+    rep = regime(lm, [{"batch": 1, "tokens_per_s": 1000.0}], costs, {"gb_per_s": 10.0},
+                 {**out, "step_ms": 0.8})
+    nbytes = weight_bytes(lm)
+    assert rep["step_gb_per_s"] == pytest.approx(nbytes / 0.5 / 1e6)
+    assert rep["ar_decode_step_gb_per_s"] == pytest.approx(nbytes / 0.8 / 1e6)
+    assert rep["ar_decode_step_over_matvec"] == pytest.approx(nbytes / 0.8 / 1e6 / 10.0)
+    assert rep["ar_decode_gb_per_s"] == pytest.approx(nbytes * 1000.0 / 1e9)
+    assert "ar_decode_step" not in regime(lm, [], costs, {"gb_per_s": 10.0})
+    # the speculative loop: rounds counted, the slope per round and the prefill's intercept
+    from relf_jax.methods import DraftModel, Speculative
+    from relf_jax.speculative.cost import speculative_round_ms
+
+    sp = speculative_round_ms(lm, Speculative(rule="nsd", k=2, proposer=DraftModel(lm)), draft=lm, prompt_len=4,
+                              steps=(4, 12), reps=1)
+    # a draft that is the target accepts every token: K + 1 = 3 a round, the first from the prefill
+    assert sp["rounds"] == {4: 1, 12: 4}
+    assert sp["round_ms"] == pytest.approx((sp["generate_12_ms"] - sp["generate_4_ms"]) / 3)
+    assert sp["fixed_ms"] + sp["round_ms"] == pytest.approx(sp["generate_4_ms"])
+
+
 def test_cost_model_rows_name_the_gap_between_measured_and_predicted():
     from experiments.bench.spec_cost import predictions
 
@@ -65,6 +97,18 @@ def test_cost_model_rows_name_the_gap_between_measured_and_predicted():
     (p,) = predictions(rows, {"draft_b1": prof}, k=4, costs={"b1": {"ratio": 1.5}, "b8": {"ratio": 3.0}})
     assert p["predicted_speedup_forward_cost"] == pytest.approx(3.0 / (0.25 + 1.5))
     assert p["measured_over_predicted_forward_cost"] == pytest.approx(1.5 / (3.0 / 1.75))
+    assert "predicted_speedup_with_prefill" not in p  # the row has no reply length
+    # with the loops' per-step costs and prefills: a 31-token reply is 31 AR steps + 20 ms of prefill
+    # (330 ms) against 31 / 3 - 1 rounds of 25 ms + 30 ms of prefill (263.3 ms)
+    rows[1]["mean_tokens"] = 31.0
+    loops = {"ar_b1": {"step_ms": 10.0, "fixed_ms": 20.0}, "draft_b1": {"round_ms": 25.0, "fixed_ms": 30.0}}
+    (p,) = predictions(rows, {"draft_b1": prof}, k=4, loops=loops)
+    rounds = 31.0 / 3.0 - 1.0
+    assert p["predicted_speedup_with_prefill"] == pytest.approx(330.0 / (rounds * 25.0 + 30.0))
+    assert p["measured_over_predicted_with_prefill"] == pytest.approx(1.5 * (rounds * 25.0 + 30.0) / 330.0)
+    assert p["prefill_per_token_ar_ms"] == pytest.approx(20.0 / 31.0)
+    assert p["prefill_per_round_ms"] == pytest.approx(30.0 / rounds)
+    assert p["loop_overhead_per_round_ms"] == pytest.approx(25.0 - 2.0 - 10.0)
 
 
 def test_another_preset_s_forward_cost_is_measured_on_its_shape():

@@ -82,7 +82,7 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
                 row = {"method": method if rule == "none" else f"{rule}" + (f"@{nsd}" if nsd else ""),
                        "rule": rule, "proposer": proposer, "nsd_top_p": nsd, "temperature": temperature,
                        "batch": batch, "k": kk, "tokens_per_s": s.tokens_per_s,
-                       "tau": s.tau, **q}
+                       "tau": s.tau, "mean_tokens": s.tokens / len(prompts), **q}
                 rows.append(row)
                 print(f"[bench spec] b={batch} T={temperature} k={kk or '-'} {row['method']:>12} {proposer:>13}: "
                       f"{s.tokens_per_s:8.1f} tok/s  tau {s.tau:4.2f}  gen PPL {q['gen_ppl']:7.2f}  "
@@ -98,7 +98,8 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
         costs_xla = forward_costs(lm, k)
     profs = spec_cost.profiles(lm, draft, table, k=k)
     bandwidth = spec_cost.matvec_bandwidth()
-    preds = spec_cost.predictions(rows, profs, k, costs)
+    loops = spec_cost.decode_loops(lm, draft, table, k=k, reps=3 if quick else 5)
+    preds = spec_cost.predictions(rows, profs, k, costs, loops)
     report = {"rows": rows, "ratios": _spec_ratios(rows, (1.0,) if quick else (1.0, 0.7, 0.0), k),
               "preset": preset, "draft_distill_steps": draft.step, "k": k, "max_new_tokens": max_new,
               "num_prompts": n_prompts, "wall_s": wall,
@@ -106,7 +107,9 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
               "target_forward_cost_xla_dot": costs_xla, "host": spec_cost.host(),
               "interleaved": interleaved, "quality": quality, "round_profile": profs, "cost_model": preds,
               "matvec": bandwidth,
-              "regime": spec_cost.regime(lm, [r for r in rows if r["rule"] == "none"], costs, bandwidth),
+              "decode_loops": loops,
+              "regime": spec_cost.regime(lm, [r for r in rows if r["rule"] == "none"], costs, bandwidth,
+                                         loops["ar_b1"]),
               # past the caches: random-weight wide shapes' K + 1-token cost (not with --quick)
               "wide_probe": [] if quick else spec_cost.wide_probe(k),
               # the compute-bound contrast: the `cpu` preset's shape (random weights) on this machine
@@ -120,7 +123,8 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
               f"{p['ar_step_ms']:.2f} ms, {p['ar_overhead_ms']:.2f} beyond its forward; round "
               f"{p['round_measured_ms']:.2f} ms: verify {p['verify_ms']:.2f}, bookkeeping {p['bookkeeping_ms']:.2f}, "
               f"outside the round "
-              f"{p['outside_round_ms']:.2f})")
+              f"{p['outside_round_ms']:.2f})" + (f"; with the prefill x{p['predicted_speedup_with_prefill']:.2f}"
+                                                 if "predicted_speedup_with_prefill" in p else ""))
     print(json.dumps(report["regime"], indent=2))
     print(json.dumps(interleaved["ratios"], indent=2))
     print(json.dumps(quality["ratios"], indent=2))

@@ -17,7 +17,8 @@ import numpy as np
 from experiments.bench.common import find_row
 from relf_jax.methods import Speculative, parse_proposer
 from relf_jax.runtime.info import last_level_cache
-from relf_jax.speculative.cost import expected_speedup, round_profile, weight_bytes
+from relf_jax.speculative.cost import (decode_step_ms, expected_speedup, round_profile, speculative_round_ms,
+                                       weight_bytes)
 
 # the matrix-vector product whose streaming rate is the bandwidth reference: 128 MiB of float32
 # weights, far past any cache, laid out as the models' dense layers are ([in, out], x @ w)
@@ -66,7 +67,24 @@ def profiles(lm, draft, table, *, k: int, batches=(1, 8), proposers=("draft", "c
     return out
 
 
-def predictions(rows: list[dict], profs: dict, k: int, costs: dict | None = None) -> list[dict]:
+def decode_loops(lm, draft, table, *, k: int, proposers=("draft", "corpus_ngram", "prompt_lookup"),
+                 reps: int = 5) -> dict:
+    """Batch-1 decoding loops timed at two reply lengths (prefill apart from the per-step cost):
+    ``ar_b1`` (`decode_step_ms`) and ``<proposer>_b1`` (`speculative_round_ms`, the NSD rule)."""
+    out = {"ar_b1": decode_step_ms(lm, reps=reps)}
+    for proposer in proposers:
+        method = Speculative(rule="nsd", k=k, proposer=parse_proposer(proposer, draft=draft))
+        out[f"{proposer}_b1"] = speculative_round_ms(lm, method, draft=draft if proposer == "draft" else None,
+                                                     table=table if proposer == "corpus_ngram" else None, reps=reps)
+    for name, v in out.items():
+        per = v.get("step_ms", v.get("round_ms"))
+        print(f"[bench spec] loop {name:>16}: {per:.3f} ms a {'step' if 'step_ms' in v else 'round'}, "
+              f"{v['fixed_ms']:.2f} ms fixed (prefill, first token, call)", flush=True)
+    return out
+
+
+def predictions(rows: list[dict], profs: dict, k: int, costs: dict | None = None,
+                loops: dict | None = None) -> list[dict]:
     """For every speculative row at K = `k` whose proposer and batch were profiled: the measured
     speedup over AR (same batch and temperature) next to the standard model's prediction from the
     row's tau (`expected_speedup`: the drafts + the K + 1-token forward, in one-token forwards), and
@@ -82,7 +100,15 @@ def predictions(rows: list[dict], profs: dict, k: int, costs: dict | None = None
     = tau / (K c + r) with that r and c the profile's drafts over its one-token forward: the two
     forwards timed in one loop back to back, where the profile's ``target_forward_ms`` and
     ``one_token_ms`` come from two loops over a state of another shape (on the EPYC they read a
-    5-token forward 1.04x a one-token one at batch 1, against 1.58x in `forward_costs`)."""
+    5-token forward 1.04x a one-token one at batch 1, against 1.58x in `forward_costs`).
+
+    With `loops` (``"ar_b1"``: `relf_jax.speculative.cost.decode_step_ms`; ``"<proposer>_b1"``:
+    `speculative_round_ms`) and the row's ``mean_tokens`` (n, tokens per reply), also
+    ``predicted_speedup_with_prefill``: a reply's AR time (n steps + the fixed prefill and call)
+    over its speculative time (n / tau - 1 rounds + their fixed cost), every term timed in the
+    decoding loops themselves. What the standard formula leaves out is then named in ms:
+    ``prefill_per_token_ar_ms`` / ``prefill_per_round_ms`` (the fixed cost spread over the reply)
+    and ``loop_overhead_per_round_ms`` (a loop round beyond the profile's drafts and forward)."""
     out = []
     for r in rows:
         prof = profs.get(f"{r['proposer']}_b{r['batch']}")
@@ -106,19 +132,38 @@ def predictions(rows: list[dict], profs: dict, k: int, costs: dict | None = None
             pred = r["tau"] / (prof["propose_ms"] / prof["one_token_ms"] + fc["ratio"])
             out[-1]["predicted_speedup_forward_cost"] = pred
             out[-1]["measured_over_predicted_forward_cost"] = out[-1]["measured_speedup"] / pred
+        ar_loop, sp_loop = (loops or {}).get(f"ar_b{r['batch']}"), (loops or {}).get(f"{r['proposer']}_b{r['batch']}")
+        if ar_loop is not None and sp_loop is not None and r.get("mean_tokens"):
+            n = r["mean_tokens"]
+            rounds = max(n / r["tau"] - 1.0, 0.0)  # tau counts the prefill as a forward
+            ar_ms = n * ar_loop["step_ms"] + ar_loop["fixed_ms"]
+            sp_ms = rounds * sp_loop["round_ms"] + sp_loop["fixed_ms"]
+            out[-1].update({"predicted_speedup_with_prefill": ar_ms / sp_ms,
+                            "measured_over_predicted_with_prefill": out[-1]["measured_speedup"] * sp_ms / ar_ms,
+                            "prefill_per_token_ar_ms": ar_loop["fixed_ms"] / n,
+                            "prefill_per_round_ms": sp_loop["fixed_ms"] / max(rounds, 1.0),
+                            "loop_overhead_per_round_ms": sp_loop["round_ms"] - prof["propose_ms"]
+                            - prof["target_forward_ms"]})
     return out
 
 
-def regime(lm, ar_rows: list[dict], costs: dict, bandwidth: dict) -> dict:
+def regime(lm, ar_rows: list[dict], costs: dict, bandwidth: dict, decode: dict | None = None) -> dict:
     """The target's decode regime: its weight bytes, the rate at which its one-token step reads
-    them (in the loop without dispatch, and from the AR rows' batch-1 tokens/s), each over the lone
-    matrix-vector product's rate, and the (K + 1)-token forward's cost over one token's."""
+    them, each over the lone matrix-vector product's rate, and the (K + 1)-token forward's cost
+    over one token's. Read three ways: the forward alone in a loop (``step_*``), the AR decoding
+    loop's step with sampling and the cache write (``ar_decode_step_*``, from `decode`:
+    `relf_jax.speculative.cost.decode_step_ms`, the prefill and the call left out), and the AR
+    rows' batch-1 tokens/s on whole replies (``ar_decode_*``: prefill and call included)."""
     nbytes = weight_bytes(lm)
     one = costs["b1"]["one_token_ms"]
     ar_b1 = max((r["tokens_per_s"] for r in ar_rows if r["batch"] == 1), default=None)
     out = {"weight_bytes": nbytes, "matvec_gb_per_s": bandwidth["gb_per_s"],
            "step_gb_per_s": nbytes / one / 1e6, "step_over_matvec": nbytes / one / 1e6 / bandwidth["gb_per_s"],
            "forward_cost_ratio_b1": costs["b1"]["ratio"]}
+    if decode is not None:
+        out["ar_decode_step"] = decode
+        out["ar_decode_step_gb_per_s"] = nbytes / decode["step_ms"] / 1e6
+        out["ar_decode_step_over_matvec"] = out["ar_decode_step_gb_per_s"] / bandwidth["gb_per_s"]
     if ar_b1:
         out["ar_decode_gb_per_s"] = nbytes * ar_b1 / 1e9
         out["ar_decode_over_matvec"] = out["ar_decode_gb_per_s"] / bandwidth["gb_per_s"]

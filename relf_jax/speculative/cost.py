@@ -5,6 +5,7 @@ standard cost model predicts from them (`expected_speedup`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -58,6 +59,79 @@ def forward_costs(lm, k: int, batches: Sequence[int] = (1, 8), context: int = 64
         out[f"b{b}"] = {"one_token_ms": ms[1], f"{k + 1}_tokens_ms": ms[k + 1],
                         "ratio": ms[k + 1] / ms[1]}
     return out
+
+
+def decode_step_ms(lm, batch: int = 1, prompt_len: int = 32, steps: Sequence[int] = (16, 64), reps: int = 5,
+                   seed: int = 0) -> dict:
+    """What one AR decode step costs inside the jitted decoding loop (`relf_jax.sampling.autoregressive
+    .generate`, T = 1 sampling, the KV cache written), apart from the prompt's prefill and the call:
+    the median wall time of a whole generation at two reply lengths (EOS never ends a row, so each
+    runs exactly its ``max_new_tokens``), and ``step_ms``, the slope between them. ``fixed_ms`` is
+    the intercept: the prefill, the first token and the call's dispatch, which a reply of n tokens
+    spreads over n. Tokens/s measured on whole replies (the bench's rows) include it; the decode
+    step's weight traffic is ``weight_bytes / step_ms``."""
+    from relf_jax.sampling import autoregressive as ar
+    from relf_jax.sampling.params import TracedSampling
+
+    prompts, lengths = _random_prompts(lm, batch, prompt_len, seed)
+    sampling = TracedSampling.make(1.0)
+
+    def run(n):
+        settings = ar.DecodeSettings(max_new_tokens=n, eos_id=-1, pad_id=lm.tokenizer.pad_id)
+        state = ar.generate_jit(lm.graphdef, lm.params, prompts, lengths, jax.random.key(seed), sampling, settings)
+        return state, n
+
+    out = _slope(run, steps, reps)
+    return {"batch": batch, "prompt_len": prompt_len, **{f"generate_{n}_ms": out["ms"][n] for n in steps},
+            "step_ms": out["slope_ms"], "fixed_ms": out["fixed_ms"]}
+
+
+def speculative_round_ms(lm, method, *, draft=None, table=None, batch: int = 1, prompt_len: int = 32,
+                         steps: Sequence[int] = (16, 64), reps: int = 5, temperature: float = 1.0,
+                         seed: int = 0) -> dict:
+    """`decode_step_ms` for speculative decoding with `method` (a `relf_jax.methods.Speculative`;
+    `draft` / `table` as in `round_profile`): whole generations of two lengths (EOS never ends a
+    row), their rounds counted, and ``round_ms``, the slope of the wall time over the rounds.
+    ``fixed_ms`` is the intercept: the target's and the draft's prefill, the first token and the
+    call, which a reply spreads over its n / tau rounds."""
+    from relf_jax.speculative import generate as spec
+
+    prompts, lengths = _random_prompts(lm, batch, prompt_len, seed)
+    sp = spec.SpecParams.make(temperature, 1.0, method.nsd_top_p)
+    dg, dp = (draft.graphdef, draft.params) if draft is not None else (None, table)
+
+    def run(n):
+        settings = dataclasses.replace(spec.SpecSettings.from_method(method, lm.tokenizer, n), eos_id=-1)
+        state = spec.generate_jit(lm.graphdef, lm.params, dg, dp, prompts, lengths, jax.random.key(seed), sp,
+                                  settings)
+        return state, int(state.rounds)
+
+    out = _slope(run, steps, reps)
+    return {"batch": batch, "prompt_len": prompt_len, "k": method.k, "rounds": out["counts"],
+            **{f"generate_{n}_ms": out["ms"][n] for n in steps}, "round_ms": out["slope_ms"],
+            "fixed_ms": out["fixed_ms"]}
+
+
+def _random_prompts(lm, batch: int, length: int, seed: int):
+    prompts = np.random.default_rng(seed).integers(3, lm.model_cfg.vocab_size, (batch, length))
+    return jnp.asarray(prompts, jnp.int32), jnp.full((batch,), length, jnp.int32)
+
+
+def _slope(run, steps: Sequence[int], reps: int) -> dict:
+    """``run(n) -> (output, units)`` timed at each n of `steps` (median of `reps`, compiled first):
+    the ms per unit between the first and the last, and the intercept at zero units."""
+    ms, counts = {}, {}
+    for n in steps:
+        counts[n] = run(n)[1]
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(n)[0])
+            times.append(time.perf_counter() - t0)
+        ms[n] = 1e3 * float(np.median(times))
+    a, b = steps[0], steps[-1]
+    slope = (ms[b] - ms[a]) / (counts[b] - counts[a])
+    return {"ms": ms, "counts": counts, "slope_ms": slope, "fixed_ms": ms[a] - counts[a] * slope}
 
 
 def weight_bytes(lm) -> int:
