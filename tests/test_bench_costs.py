@@ -48,8 +48,13 @@ def test_decode_step_is_the_slope_between_two_reply_lengths_and_feeds_the_regime
     lm = tiny_lm(num_layers=1)
     out = decode_step_ms(lm, batch=1, prompt_len=4, steps=(4, 12), reps=1)
     assert out["generate_4_ms"] > 0 and out["generate_12_ms"] > 0
+    # two lengths: the line runs through both medians
     assert out["step_ms"] == pytest.approx((out["generate_12_ms"] - out["generate_4_ms"]) / 8)
     assert out["fixed_ms"] + 4 * out["step_ms"] == pytest.approx(out["generate_4_ms"])
+    # more lengths: the least-squares line through the medians
+    three = decode_step_ms(lm, batch=1, prompt_len=4, steps=(4, 8, 12), reps=1)
+    slope, intercept = np.polyfit([4, 8, 12], [three[f"generate_{n}_ms"] for n in (4, 8, 12)], 1)
+    assert three["step_ms"] == pytest.approx(slope) and three["fixed_ms"] == pytest.approx(intercept)
     # the regime reads the weights' traffic per step three ways, each over the matrix-vector rate
     costs = {"b1": {"one_token_ms": 0.5, "ratio": 1.2}}
     rep = regime(lm, [{"batch": 1, "tokens_per_s": 1000.0}], costs, {"gb_per_s": 10.0},
@@ -98,15 +103,16 @@ def test_cost_model_rows_name_the_gap_between_measured_and_predicted():
     assert p["predicted_speedup_forward_cost"] == pytest.approx(3.0 / (0.25 + 1.5))
     assert p["measured_over_predicted_forward_cost"] == pytest.approx(1.5 / (3.0 / 1.75))
     assert "predicted_speedup_with_prefill" not in p  # the row has no reply length
-    # with the loops' per-step costs and prefills: a 31-token reply is 31 AR steps + 20 ms of prefill
-    # (330 ms) against 31 / 3 - 1 rounds of 25 ms + 30 ms of prefill (263.3 ms)
-    rows[1]["mean_tokens"] = 31.0
+    # with the loops' per-step costs and prefills: AR's 40-token replies cost 10 ms a step + 20 ms of
+    # prefill (10.5 ms a token); the row's 31-token replies 31 / 3 - 1 rounds of 25 ms + 30 ms
+    rows[1]["mean_tokens"], rows[0]["mean_tokens"] = 31.0, 40.0
     loops = {"ar_b1": {"step_ms": 10.0, "fixed_ms": 20.0}, "draft_b1": {"round_ms": 25.0, "fixed_ms": 30.0}}
     (p,) = predictions(rows, {"draft_b1": prof}, k=4, loops=loops)
     rounds = 31.0 / 3.0 - 1.0
-    assert p["predicted_speedup_with_prefill"] == pytest.approx(330.0 / (rounds * 25.0 + 30.0))
-    assert p["measured_over_predicted_with_prefill"] == pytest.approx(1.5 * (rounds * 25.0 + 30.0) / 330.0)
-    assert p["prefill_per_token_ar_ms"] == pytest.approx(20.0 / 31.0)
+    spec_token_ms = (rounds * 25.0 + 30.0) / 31.0
+    assert p["predicted_speedup_with_prefill"] == pytest.approx(10.5 / spec_token_ms)
+    assert p["measured_over_predicted_with_prefill"] == pytest.approx(1.5 * spec_token_ms / 10.5)
+    assert p["prefill_per_token_ar_ms"] == pytest.approx(20.0 / 40.0)
     assert p["prefill_per_round_ms"] == pytest.approx(30.0 / rounds)
     assert p["loop_overhead_per_round_ms"] == pytest.approx(25.0 - 2.0 - 10.0)
 

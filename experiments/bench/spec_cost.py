@@ -17,8 +17,13 @@ import numpy as np
 from experiments.bench.common import find_row
 from relf_jax.methods import Speculative, parse_proposer
 from relf_jax.runtime.info import last_level_cache
-from relf_jax.speculative.cost import (decode_step_ms, expected_speedup, round_profile, speculative_round_ms,
-                                       weight_bytes)
+from relf_jax.speculative.cost import (
+    decode_step_ms,
+    expected_speedup,
+    round_profile,
+    speculative_round_ms,
+    weight_bytes,
+)
 
 # the matrix-vector product whose streaming rate is the bandwidth reference: 128 MiB of float32
 # weights, far past any cache, laid out as the models' dense layers are ([in, out], x @ w)
@@ -103,10 +108,11 @@ def predictions(rows: list[dict], profs: dict, k: int, costs: dict | None = None
     5-token forward 1.04x a one-token one at batch 1, against 1.58x in `forward_costs`).
 
     With `loops` (``"ar_b1"``: `relf_jax.speculative.cost.decode_step_ms`; ``"<proposer>_b1"``:
-    `speculative_round_ms`) and the row's ``mean_tokens`` (n, tokens per reply), also
-    ``predicted_speedup_with_prefill``: a reply's AR time (n steps + the fixed prefill and call)
-    over its speculative time (n / tau - 1 rounds + their fixed cost), every term timed in the
-    decoding loops themselves. What the standard formula leaves out is then named in ms:
+    `speculative_round_ms`) and the rows' ``mean_tokens`` (tokens per reply: n for the row, n_ar
+    for its AR row; replies of the two differ in length), also ``predicted_speedup_with_prefill``:
+    AR's time per token (a step + the fixed prefill and call over n_ar) over the speculative
+    row's (n / tau - 1 rounds + their fixed cost, over n), every term timed in the decoding loops
+    themselves. What the standard formula leaves out is then named in ms:
     ``prefill_per_token_ar_ms`` / ``prefill_per_round_ms`` (the fixed cost spread over the reply)
     and ``loop_overhead_per_round_ms`` (a loop round beyond the profile's drafts and forward)."""
     out = []
@@ -134,13 +140,14 @@ def predictions(rows: list[dict], profs: dict, k: int, costs: dict | None = None
             out[-1]["measured_over_predicted_forward_cost"] = out[-1]["measured_speedup"] / pred
         ar_loop, sp_loop = (loops or {}).get(f"ar_b{r['batch']}"), (loops or {}).get(f"{r['proposer']}_b{r['batch']}")
         if ar_loop is not None and sp_loop is not None and r.get("mean_tokens"):
-            n = r["mean_tokens"]
+            n, n_ar = r["mean_tokens"], ar.get("mean_tokens") or r["mean_tokens"]
             rounds = max(n / r["tau"] - 1.0, 0.0)  # tau counts the prefill as a forward
-            ar_ms = n * ar_loop["step_ms"] + ar_loop["fixed_ms"]
-            sp_ms = rounds * sp_loop["round_ms"] + sp_loop["fixed_ms"]
-            out[-1].update({"predicted_speedup_with_prefill": ar_ms / sp_ms,
-                            "measured_over_predicted_with_prefill": out[-1]["measured_speedup"] * sp_ms / ar_ms,
-                            "prefill_per_token_ar_ms": ar_loop["fixed_ms"] / n,
+            ar_token_ms = ar_loop["step_ms"] + ar_loop["fixed_ms"] / n_ar  # the AR row's replies: n_ar tokens
+            sp_token_ms = (rounds * sp_loop["round_ms"] + sp_loop["fixed_ms"]) / n
+            out[-1].update({"predicted_speedup_with_prefill": ar_token_ms / sp_token_ms,
+                            "measured_over_predicted_with_prefill":
+                                out[-1]["measured_speedup"] * sp_token_ms / ar_token_ms,
+                            "prefill_per_token_ar_ms": ar_loop["fixed_ms"] / n_ar,
                             "prefill_per_round_ms": sp_loop["fixed_ms"] / max(rounds, 1.0),
                             "loop_overhead_per_round_ms": sp_loop["round_ms"] - prof["propose_ms"]
                             - prof["target_forward_ms"]})

@@ -61,13 +61,14 @@ def forward_costs(lm, k: int, batches: Sequence[int] = (1, 8), context: int = 64
     return out
 
 
-def decode_step_ms(lm, batch: int = 1, prompt_len: int = 32, steps: Sequence[int] = (16, 64), reps: int = 5,
+def decode_step_ms(lm, batch: int = 1, prompt_len: int = 16, steps: Sequence[int] = (16, 40, 64), reps: int = 7,
                    seed: int = 0) -> dict:
     """What one AR decode step costs inside the jitted decoding loop (`relf_jax.sampling.autoregressive
     .generate`, T = 1 sampling, the KV cache written), apart from the prompt's prefill and the call:
-    the median wall time of a whole generation at two reply lengths (EOS never ends a row, so each
-    runs exactly its ``max_new_tokens``), and ``step_ms``, the slope between them. ``fixed_ms`` is
-    the intercept: the prefill, the first token and the call's dispatch, which a reply of n tokens
+    the median wall time of a whole generation at each reply length of `steps` (EOS never ends a
+    row, so each runs exactly its ``max_new_tokens``; `prompt_len` 16 is the bucket most of the
+    bench's prompts take), and ``step_ms``, the slope of a line through them. ``fixed_ms`` is the
+    intercept: the prefill, the first token and the call's dispatch, which a reply of n tokens
     spreads over n. Tokens/s measured on whole replies (the bench's rows) include it; the decode
     step's weight traffic is ``weight_bytes / step_ms``."""
     from relf_jax.sampling import autoregressive as ar
@@ -86,12 +87,12 @@ def decode_step_ms(lm, batch: int = 1, prompt_len: int = 32, steps: Sequence[int
             "step_ms": out["slope_ms"], "fixed_ms": out["fixed_ms"]}
 
 
-def speculative_round_ms(lm, method, *, draft=None, table=None, batch: int = 1, prompt_len: int = 32,
-                         steps: Sequence[int] = (16, 64), reps: int = 5, temperature: float = 1.0,
+def speculative_round_ms(lm, method, *, draft=None, table=None, batch: int = 1, prompt_len: int = 16,
+                         steps: Sequence[int] = (16, 40, 64), reps: int = 7, temperature: float = 1.0,
                          seed: int = 0) -> dict:
     """`decode_step_ms` for speculative decoding with `method` (a `relf_jax.methods.Speculative`;
-    `draft` / `table` as in `round_profile`): whole generations of two lengths (EOS never ends a
-    row), their rounds counted, and ``round_ms``, the slope of the wall time over the rounds.
+    `draft` / `table` as in `round_profile`): whole generations of the lengths `steps` (EOS never
+    ends a row), their rounds counted, and ``round_ms``, the slope of the wall time over the rounds.
     ``fixed_ms`` is the intercept: the target's and the draft's prefill, the first token and the
     call, which a reply spreads over its n / tau rounds."""
     from relf_jax.speculative import generate as spec
@@ -118,20 +119,21 @@ def _random_prompts(lm, batch: int, length: int, seed: int):
 
 
 def _slope(run, steps: Sequence[int], reps: int) -> dict:
-    """``run(n) -> (output, units)`` timed at each n of `steps` (median of `reps`, compiled first):
-    the ms per unit between the first and the last, and the intercept at zero units."""
-    ms, counts = {}, {}
-    for n in steps:
-        counts[n] = run(n)[1]
-        times = []
-        for _ in range(reps):
+    """``run(n) -> (output, units)`` timed at each n of `steps` (compiled first), round-robin over
+    the lengths for `reps` rounds so a host that drifts slows every length alike: the median ms per
+    length, and the least-squares line through them: ms per unit (slope) and the intercept at zero
+    units."""
+    counts = {n: run(n)[1] for n in steps}
+    times: dict[int, list[float]] = {n: [] for n in steps}
+    for _ in range(reps):
+        for n in steps:
             t0 = time.perf_counter()
             jax.block_until_ready(run(n)[0])
-            times.append(time.perf_counter() - t0)
-        ms[n] = 1e3 * float(np.median(times))
-    a, b = steps[0], steps[-1]
-    slope = (ms[b] - ms[a]) / (counts[b] - counts[a])
-    return {"ms": ms, "counts": counts, "slope_ms": slope, "fixed_ms": ms[a] - counts[a] * slope}
+            times[n].append(time.perf_counter() - t0)
+    ms = {n: 1e3 * float(np.median(times[n])) for n in steps}
+    x = np.asarray([counts[n] for n in steps], np.float64)
+    slope, intercept = np.polyfit(x, np.asarray([ms[n] for n in steps]), 1)
+    return {"ms": ms, "counts": counts, "slope_ms": float(slope), "fixed_ms": float(intercept)}
 
 
 def weight_bytes(lm) -> int:
