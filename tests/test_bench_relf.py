@@ -338,3 +338,48 @@ def test_reflow_part_runs_the_studies_of_the_named_models_only(tmp_path, monkeyp
     # each study: the reflow rounds and the no-pairs control rounds
     assert reflowed == [s for s in studied for _ in range(2)]
     assert len(trained) == 1 + ("steps4_plain" in studied)
+
+
+def test_variant_costs_time_each_network_against_the_first(tmp_path):
+    import json
+
+    from experiments.bench.relf_cost import variant_costs
+    from relf_jax.errors import UserError
+
+    out = tmp_path / "cost.json"
+    rep = variant_costs(str(out), ("relf", "plain"), preset="tiny", vocab=32, sample_batch=2, train_batch=2, reps=1,
+                        calls=1)
+    assert [r["variant"] for r in rep["rows"]] == ["relf", "plain"] and json.loads(out.read_text()) == rep
+    first, plain = rep["rows"]
+    assert first["forward_over_relf"] == 1.0 and first["train_step_over_relf"] == 1.0
+    assert plain["forward_ms"] > 0 and plain["train_step_over_relf"] == plain["train_step_ms"] / first["train_step_ms"]
+    with pytest.raises(UserError, match="variants must be among"):
+        variant_costs(None, ("relf", "nope"))
+
+
+def test_the_ar_sweep_goes_on_up_until_it_passes_the_relf_rows_entropy(monkeypatch):
+    from experiments.bench.relf_core import CoreRun
+
+    run = object.__new__(CoreRun)
+    run.rows = [{"variant": "ar", "train_steps": 1200, "temperature": t, "gen_ppl": 100 * t, "entropy": e}
+                for t, e in ((1.0, 3.20), (1.1, 3.25))]
+    run.old = [{"variant": "ar", "train_steps": 1200, "temperature": 1.2, "method": "ar T=1.2", "nfe": None}]
+    entropy_at = {1.2: 3.30, 1.3: 3.33, 1.4: 3.38, 1.5: 3.45}
+    trained, measured = [], []
+    monkeypatch.setattr(run, "have", lambda key: next((r for r in run.old if r["temperature"] == key["temperature"]),
+                                                      None))
+    monkeypatch.setattr(run, "ar_model", lambda steps: trained.append(steps) or "model")
+
+    def ar_row(key, lm, tokens):
+        measured.append((key["temperature"], lm))
+        run.rows.append({**key, "gen_ppl": 1.0, "entropy": entropy_at[key["temperature"]]})
+
+    monkeypatch.setattr(run, "ar_row", ar_row)
+    run.extend_ar_sweep(1200, entropy=3.36, tokens=2048.0)
+    # 1.2 was measured before (no model needed for it); 1.3 trains the model once; 1.4 passes 3.36
+    assert [t for t, _ in measured] == [1.2, 1.3, 1.4] and trained == [1200]
+    assert measured[0][1] is None and measured[2][1] == "model"
+    run.extend_ar_sweep(1200, entropy=3.36, tokens=2048.0)  # already past it: nothing more
+    assert len(measured) == 3
+    run.extend_ar_sweep(1200, entropy=9.0, tokens=2048.0, top=1.5)  # stops at the top temperature
+    assert [t for t, _ in measured] == [1.2, 1.3, 1.4, 1.5]

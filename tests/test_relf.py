@@ -454,13 +454,42 @@ def test_the_default_config_is_the_context_reading_relf():
     with pytest.raises(Exception, match="even number"):
         make_config("cpu", ["model=relf", "model.num_layers=3"])
     assert make_config("cpu", ["model.num_layers=3"]).model.num_layers == 3
-    assert cfg.model.flow_query_layers == 0  # query layers are an option (bench relf core's "query" variant)
+    # query layers are an option (bench relf core's "query" variant): they cost 1.58x a forward
+    assert cfg.model.flow_query_layers == 0
     from experiments.bench.relf_variants import CORE_VARIANTS
     query = make_config("cpu", ["model=relf", *CORE_VARIANTS["query"]]).model
     assert query.flow_query_layers == 2 and query.num_layers - query.flow_query_layers == 2
+    # with full key/value heads in the ReLF network only; the AR model of the same config keeps its own
+    assert query.resolved_flow_kv_heads == query.num_heads == 4 and query.num_kv_heads == cfg.model.num_kv_heads
+    assert cfg.model.resolved_flow_kv_heads == cfg.model.num_kv_heads == 2
+    with pytest.raises(Exception, match="flow_kv_heads"):
+        make_config("cpu", ["model=relf", "model.flow_kv_heads=3"])
     with pytest.raises(Exception, match="flow_query_layers"):  # 4 - 1 layers cannot split into two streams
         make_config("cpu", ["model=relf", "model.flow_query_layers=1"])
     assert make_config("cpu", ["model=relf", "model.num_layers=3", "flow.blind_spot=false"])
+
+
+def test_resuming_with_other_query_layers_or_key_value_heads_is_refused(tmp_path, monkeypatch):
+    import dataclasses
+
+    from relf_jax.errors import UserError
+    from relf_jax.flow import recipes
+
+    (tmp_path / "checkpoints").mkdir()
+    cfg = make_config("cpu", ["model=relf"]).model
+    saved = dataclasses.asdict(dataclasses.replace(cfg, flow_query_layers=2, flow_kv_heads=4))
+    monkeypatch.setattr(recipes, "latest_meta", lambda model_dir: {"model": saved})
+    recipes.check_resumable(str(tmp_path), dataclasses.replace(cfg, flow_query_layers=2, num_kv_heads=4))
+    with pytest.raises(UserError, match="with 2 query layers; resume it with model.flow_query_layers=2"):
+        recipes.check_resumable(str(tmp_path), dataclasses.replace(cfg, flow_kv_heads=4))
+    with pytest.raises(UserError, match="with 4 key/value heads; resume it with model.flow_kv_heads=4"):
+        recipes.check_resumable(str(tmp_path), dataclasses.replace(cfg, flow_query_layers=2))
+    # a checkpoint written before the fields existed: no query layers, model.num_kv_heads heads
+    saved = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("flow_query_layers", "flow_kv_heads")}
+    recipes.check_resumable(str(tmp_path), cfg)
+    # the paper's plain network has no query layers to compare
+    saved = dataclasses.asdict(dataclasses.replace(cfg, flow_blind_spot=False))
+    recipes.check_resumable(str(tmp_path), dataclasses.replace(cfg, flow_blind_spot=False, flow_query_layers=2))
 
 
 def test_segment_length_prior_draws_and_travels_with_safetensors(tmp_path):

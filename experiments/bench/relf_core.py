@@ -4,7 +4,9 @@ For each budget (optimizer steps; ``train.steps`` of the preset unless `budgets`
 AR temperature sweep, the default ReLF (context-reading; 64-NFE stochastic, 16 / 8-NFE Euler),
 the paper's plain parametrisation (64-NFE stochastic) and the other `CORE_VARIANTS` (rows like
 the default's), all at the same optimizer steps, with the positional-unigram reference once.
-Text tokens per step are measured for each row layout and stated.
+Text tokens per step are measured for each row layout and stated. Where the default ReLF-64 row
+reads more entropy than every AR row of its budget, the AR sweep goes on upward (0.1 apart, up to
+T = `AR_TOP_TEMPERATURE`) until it does not, so the matched-entropy ratio is an interpolation.
 
 Rows are written as they are measured. A rerun with the same `out` keeps the rows it finds there
 and trains / samples only what is missing (a model whose rows are all there is not retrained),
@@ -26,7 +28,7 @@ import relf_jax as rj
 from experiments.bench.common import borrowed_ar_rows, text_tokens_per_step
 from experiments.bench.relf_rows import result_row, run_dir
 from experiments.bench.relf_targets import ratio
-from experiments.bench.relf_variants import AR_TEMPERATURES, CORE_VARIANTS, QUICK_AR_TEMPERATURES
+from experiments.bench.relf_variants import AR_TEMPERATURES, CORE_VARIANTS, DEFAULT_CORE_VARIANTS, QUICK_AR_TEMPERATURES
 from relf_jax.config import make_config
 from relf_jax.data.prepare import prepare_data, prepare_tokenizer, row_mode
 from relf_jax.errors import UserError
@@ -39,6 +41,9 @@ from relf_jax.speculative.recipes import sample
 
 # the sampler rows of each ReLF model: (sampler, NFE); the plain parametrisation gets the first only
 SAMPLER_ROWS = (("stochastic", 64), ("euler", 16), ("euler", 8))
+# the highest AR temperature the sweep is extended to while the default ReLF-64 row's entropy lies
+# above it (`CoreRun.extend_ar_sweep`)
+AR_TOP_TEMPERATURE = 1.6
 
 
 def bench_relf_core(out: str, quick: bool = False, workdir: str | None = None, overrides: Sequence[str] = (),
@@ -46,11 +51,11 @@ def bench_relf_core(out: str, quick: bool = False, workdir: str | None = None, o
                     budgets: Sequence[int] | None = None, variants: Sequence[str] | None = None,
                     ar_rows: str | None = None) -> dict:
     """Issue 35's comparison at each of `budgets` (default: the preset's ``train.steps``) for the
-    ReLF models of `variants` (names of `CORE_VARIANTS`, default all). Targets per budget: each
-    ReLF row's gen PPL over AR's at matched entropy (the default ReLF-64's: <= 1.5, the paper's
-    <= 1.0) and over the positional unigram's; across budgets: whether gen PPL falls."""
+    ReLF models of `variants` (names of `CORE_VARIANTS`; default `DEFAULT_CORE_VARIANTS`). Targets
+    per budget: each ReLF row's gen PPL over AR's at matched entropy (the default ReLF-64's: <= 1.5,
+    the paper's <= 1.0) and over the positional unigram's; across budgets: whether gen PPL falls."""
     preset = preset or ("tiny" if quick else "cpu")
-    variants = tuple(variants or CORE_VARIANTS)
+    variants = tuple(variants or DEFAULT_CORE_VARIANTS)
     unknown = sorted(set(variants) - set(CORE_VARIANTS))
     if unknown:
         raise UserError(f"bench relf core variants must be among {', '.join(CORE_VARIANTS)}; got {unknown}")
@@ -70,6 +75,10 @@ def bench_relf_core(out: str, quick: bool = False, workdir: str | None = None, o
         run.ar_rows(steps, QUICK_AR_TEMPERATURES if quick else AR_TEMPERATURES, tokens["ar"])
         for variant in variants:
             run.relf_rows(steps, variant, tokens["relf"] if variant == "relf" else None)
+        r64 = next((r for r in run.rows if r["variant"] == "relf" and r["nfe"] == 64 and r["train_steps"] == steps
+                    and r["gen_ppl"]), None)
+        if r64 is not None and not quick:
+            run.extend_ar_sweep(steps, r64["entropy"], tokens["ar"])
     tgt = core_targets(run.rows, tokens, budgets)
     report = {"preset": preset, "complete": True, "parts": ["core"], "num_samples": n, "budgets_steps": list(budgets),
               "tokens_per_step": tokens, "text_tokens": {f"{fam}_steps{s}": tokens[fam] * s for fam in tokens
@@ -120,22 +129,45 @@ class CoreRun:
     def ar_rows(self, steps: int, temperatures: Sequence[float], tokens: float) -> None:
         keys = [{"method": f"ar T={t:g}", "variant": "ar", "train_steps": steps, "nfe": None, "temperature": t}
                 for t in temperatures]
-        lm = None
-        if any(self.have(k) is None for k in keys):
-            wd = run_dir(self.root, f"steps{steps}", self.base)
-            rj.train(make_config(self.preset, [*self.overrides, f"train.steps={steps}"], workdir=wd))
-            lm = load_model(wd, "ar")
+        lm = self.ar_model(steps) if any(self.have(k) is None for k in keys) else None
         for key in keys:
-            self.measure(key, lambda t=key["temperature"]: sample(lm, n=self.n, sample_cfg=dataclasses.replace(
-                lm.cfg.sample, temperature=t, top_k=0, top_p=1.0, max_new_tokens=self.base.data.seq_len - 1,
-                num_samples=self.n)), reflow_rounds=0, batch=lm.cfg.sample.batch_size if lm else 8,
-                text_tokens_per_step=tokens)
+            self.ar_row(key, lm, tokens)
         # a borrowed sweep may go on past `temperatures` (bench bd's AR_HIGH_TEMPERATURES): kept
         for r in self.old:
             kept = {x.get("temperature") for x in self.rows if x["variant"] == "ar" and x["train_steps"] == steps}
             if (r["variant"] == "ar" and r["train_steps"] == steps and r.get("temperature") not in kept
                     and r.get("source")):
                 self.measure({k: r.get(k) for k in ("method", "variant", "train_steps", "nfe", "temperature")}, None)
+
+    def ar_model(self, steps: int):
+        """The AR model of `steps` optimizer steps, trained in this run's workdir unless it is there."""
+        wd = run_dir(self.root, f"steps{steps}", self.base)
+        rj.train(make_config(self.preset, [*self.overrides, f"train.steps={steps}"], workdir=wd))
+        return load_model(wd, "ar")
+
+    def ar_row(self, key: dict, lm, tokens: float) -> None:
+        self.measure(key, lambda t=key["temperature"]: sample(lm, n=self.n, sample_cfg=dataclasses.replace(
+            lm.cfg.sample, temperature=t, top_k=0, top_p=1.0, max_new_tokens=self.base.data.seq_len - 1,
+            num_samples=self.n)), reflow_rounds=0, batch=lm.cfg.sample.batch_size if lm else 8,
+            text_tokens_per_step=tokens)
+
+    def extend_ar_sweep(self, steps: int, entropy: float, tokens: float, step: float = 0.1,
+                        top: float = AR_TOP_TEMPERATURE) -> None:
+        """AR rows at temperatures above the budget's sweep, `step` apart and up to `top`, until one
+        reads more entropy than `entropy` (the default ReLF-64 row's): its ratio to AR is then read
+        inside the sweep, not extrapolated past it."""
+        def sweep():
+            return [r for r in self.rows if r["variant"] == "ar" and r["train_steps"] == steps and r["gen_ppl"]]
+
+        if not sweep():
+            return
+        lm, t = None, max(r["temperature"] for r in sweep())
+        while max(r["entropy"] for r in sweep()) <= entropy and t + step <= top + 1e-9:
+            t = round(t + step, 6)
+            key = {"method": f"ar T={t:g}", "variant": "ar", "train_steps": steps, "nfe": None, "temperature": t}
+            if lm is None and self.have(key) is None:
+                lm = self.ar_model(steps)
+            self.ar_row(key, lm, tokens)
 
     def relf_rows(self, steps: int, variant: str, tokens: float | None) -> None:
         runs = SAMPLER_ROWS if variant != "plain" else SAMPLER_ROWS[:1]

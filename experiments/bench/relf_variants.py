@@ -28,8 +28,12 @@ PLAIN = ["flow.blind_spot=false", "model.flow_embed_head=false"]
 FREE_HEAD = ["model.flow_embed_head=false"]
 # the ReLF models of the core comparison: the default, and variants (overrides) against it
 # "query": two of the four layers as query layers over both streams (model.flow_query_layers), full
-# multi-head attention (no grouped keys); on the toy within seed noise of the default, on the chat
-# corpus 11-13 % lower gen PPL at 1,200 steps and none at 2,400 (docs/relf.md)
-QUERY = ["model.flow_query_layers=2", "model.num_kv_heads=4"]
+# multi-head attention in the ReLF network (no grouped keys; model.flow_kv_heads). ReLF-64 gen PPL
+# -2 % / -10 % at 600 steps and -7 % / -19 % at 1,200 (seeds 0 / 1); each half alone ("query_gqa",
+# "full_kv") is not better than the default. It costs 1.58x a network forward and 1.34x a
+# training step (docs/relf.md), so it is not the default.
+QUERY = ["model.flow_query_layers=2", "model.flow_kv_heads=4"]
 CORE_VARIANTS = {"relf": [], "plain": PLAIN, "free_head": FREE_HEAD, "whiten": ["flow.embed_whiten=true"],
-                 "query": QUERY}
+                 "query": QUERY, "query_gqa": ["model.flow_query_layers=2"], "full_kv": ["model.flow_kv_heads=4"]}
+# what `--parts core` trains without --variants (the two halves of "query" only on request)
+DEFAULT_CORE_VARIANTS = ("relf", "plain", "free_head", "whiten", "query")

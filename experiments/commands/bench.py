@@ -38,8 +38,9 @@ def bench_args(p):
                                                    "the preset's train.steps)")
     p.add_argument("--variants", default=None, help="bench relf --parts core or --parts reflow only: which "
                                                     "ReLF models, comma-separated; core: among relf (the "
-                                                    "default), plain, free_head, whiten, query; reflow: whose "
-                                                    "reflow studies, among relf, plain; default all")
+                                                    "default), plain, free_head, whiten, query, query_gqa, "
+                                                    "full_kv (default: all but the last two); reflow: whose "
+                                                    "reflow studies, among relf, plain (default both)")
     p.add_argument("--ablation", action="store_true", help="bench bd only: also the old one-conversation-per-row "
                                                            "layout at the first budget")
     p.add_argument("--ar-rows", default=None, help="bench bd and bench relf --parts core: a bench relf or bd "

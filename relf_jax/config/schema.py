@@ -75,8 +75,13 @@ class ModelConfig:
     # streams (our construction): position i's query attends to every left-stream state j < i and
     # every right-stream state j > i at once (and to itself), so it mixes both sides' tokens in
     # attention; the streams get (num_layers - flow_query_layers) / 2 layers each. 0: the streams
-    # are read at i - 1 and i + 1 only, through one MLP block.
+    # are read at i - 1 and i + 1 only, through one MLP block. Not the default: with
+    # flow_kv_heads = num_heads (bench relf core's "query" variant) it lowers gen PPL at equal steps
+    # but costs 1.58x a network forward and 1.34x a training step (docs/relf.md).
     flow_query_layers: int = 0
+    # relf: key/value heads of the ReLF network's attention; 0: model.num_kv_heads. Its own field so
+    # a ReLF variant can change them without changing the AR model of the same config.
+    flow_kv_heads: int = 0
     # relf: each position's own evidence as an extra input (our extension): the log of its
     # singular posterior, clip(log softmax(s(Z_j, t)), -10) / 10 [V], projected; a function of Z_j
     # alone, so a blind-spot network stays blind. Needs the embeddings at call time (`table=`).
@@ -95,6 +100,11 @@ class ModelConfig:
     # "length" (a distribution over the reply's token count; the blocks follow from it and the
     # first block's capacity exactly; see relf_jax.dws.predictor.predicted_surface)
     predictor_block_head: Literal["continue", "length"] = "continue"
+
+    @property
+    def resolved_flow_kv_heads(self) -> int:
+        """The ReLF network's key/value heads: `flow_kv_heads`, or num_kv_heads when it is 0."""
+        return self.flow_kv_heads or self.num_kv_heads
 
     @property
     def resolved_head_dim(self) -> int:
@@ -313,6 +323,9 @@ class Config:
         _check(fl.aux_weight >= 0, "flow.aux_weight must be >= 0")
         _check(0 <= fl.per_position_t <= 1, "flow.per_position_t must be in [0, 1]")
         _check(fl.window >= 1, "flow.window (the Hellinger co-occurrence window) must be >= 1")
+        _check(m.flow_kv_heads >= 0 and m.num_heads % m.resolved_flow_kv_heads == 0,
+               f"model.flow_kv_heads must be 0 (model.num_kv_heads) or divide model.num_heads={m.num_heads}, "
+               f"got {m.flow_kv_heads}")
         stream_layers = m.num_layers - m.flow_query_layers
         _check(m.family != "relf" or not fl.blind_spot or (stream_layers >= 2 and stream_layers % 2 == 0
                                                            and m.flow_query_layers >= 0),

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from relf_jax.checkpoint import EMBEDDINGS_FILE, latest_meta
-from relf_jax.config import Config
+from relf_jax.config import Config, saved_model_config
 from relf_jax.data import pipeline, sources
 from relf_jax.data.prepare import prepare_data, prepare_tokenizer, row_mode
 from relf_jax.errors import UserError
@@ -72,6 +72,11 @@ _NETWORK_SWITCHES = (("flow_prompt_input", "flow.prompt_prob > 0", "flow.prompt_
                       "an embedding-tied residual head"))
 
 
+# network sizes (ModelConfig attributes) a checkpoint is resumed with: (attribute, what, override)
+_NETWORK_SHAPES = (("flow_query_layers", "query layers", "model.flow_query_layers"),
+                   ("resolved_flow_kv_heads", "key/value heads", "model.flow_kv_heads"))
+
+
 def check_resumable(model_dir: str, model_cfg) -> None:
     """Refuse to resume a ReLF checkpoint in `model_dir` trained with another network (`UserError`)."""
     if not os.path.isdir(os.path.join(model_dir, "checkpoints")):
@@ -86,6 +91,13 @@ def check_resumable(model_dir: str, model_cfg) -> None:
             raise UserError(f"the ReLF checkpoint in {model_dir} was trained "
                             f"{'with' if before else 'without'} {what}; resume it with "
                             f"{on if before else off}, or train in another workdir")
+    if saved is None:
+        return
+    for field, what, key in _NETWORK_SHAPES:
+        before = getattr(saved_model_config(saved), field)
+        if before != getattr(model_cfg, field) and (model_cfg.flow_blind_spot or field != "flow_query_layers"):
+            raise UserError(f"the ReLF checkpoint in {model_dir} was trained with {before} {what}; resume it "
+                            f"with {key}={before}, or train in another workdir")
 
 
 def train_relf(cfg: Config, *, mesh=None) -> TrainResult:

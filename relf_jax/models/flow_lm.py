@@ -118,7 +118,7 @@ class FlowLM(nnx.Module):
 
         def stack(n):
             return nnx.List([
-                TransformerBlock(d, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim,
+                TransformerBlock(d, cfg.num_heads, cfg.resolved_flow_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim,
                                  rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps, cond_dim=d, rngs=rngs,
                                  dtype=dtype, param_dtype=pdtype)
                 for _ in range(n)
