@@ -454,7 +454,7 @@ def test_the_default_config_is_the_context_reading_relf():
     with pytest.raises(Exception, match="even number"):
         make_config("cpu", ["model=relf", "model.num_layers=3"])
     assert make_config("cpu", ["model.num_layers=3"]).model.num_layers == 3
-    # query layers are an option (bench relf core's "query" variant): they cost 1.58x a forward
+    # query layers are an option (bench relf core's "query" variant): they cost 1.4-1.6x a forward
     assert cfg.model.flow_query_layers == 0
     from experiments.bench.relf_variants import CORE_VARIANTS
     query = make_config("cpu", ["model=relf", *CORE_VARIANTS["query"]]).model

@@ -3,7 +3,7 @@ network forward at the sampler's shape and a training step's forward and backwar
 networks of the preset's shape, timed round-robin in one process and reported over the default's.
 
 The core bench compares variants at equal optimizer steps; this is the other half of a trade-off
-(docs/relf.md: the query variant's 1.58x forward)::
+(docs/relf.md: the query variant's 1.4-1.6x forward)::
 
     python -c "from experiments.bench.relf_cost import variant_costs; \\
         variant_costs('benchmarks/relf/query_cost_probe.json', ('relf', 'query', 'query_gqa', 'full_kv'))"

@@ -30,7 +30,7 @@ FREE_HEAD = ["model.flow_embed_head=false"]
 # "query": two of the four layers as query layers over both streams (model.flow_query_layers), full
 # multi-head attention in the ReLF network (no grouped keys; model.flow_kv_heads). ReLF-64 gen PPL
 # -2 % / -10 % at 600 steps and -7 % / -19 % at 1,200 (seeds 0 / 1); each half alone ("query_gqa",
-# "full_kv") is not better than the default. It costs 1.58x a network forward and 1.34x a
+# "full_kv") is not better than the default. It costs 1.4-1.6x a network forward and 1.3-1.4x a
 # training step (docs/relf.md), so it is not the default.
 QUERY = ["model.flow_query_layers=2", "model.flow_kv_heads=4"]
 CORE_VARIANTS = {"relf": [], "plain": PLAIN, "free_head": FREE_HEAD, "whiten": ["flow.embed_whiten=true"],

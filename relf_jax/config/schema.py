@@ -77,7 +77,7 @@ class ModelConfig:
     # attention; the streams get (num_layers - flow_query_layers) / 2 layers each. 0: the streams
     # are read at i - 1 and i + 1 only, through one MLP block. Not the default: with
     # flow_kv_heads = num_heads (bench relf core's "query" variant) it lowers gen PPL at equal steps
-    # but costs 1.58x a network forward and 1.34x a training step (docs/relf.md).
+    # but costs 1.4-1.6x a network forward and 1.3-1.4x a training step (docs/relf.md).
     flow_query_layers: int = 0
     # relf: key/value heads of the ReLF network's attention; 0: model.num_kv_heads. Its own field so
     # a ReLF variant can change them without changing the AR model of the same config.
