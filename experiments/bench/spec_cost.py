@@ -74,7 +74,7 @@ def profiles(lm, draft, table, *, k: int, batches=(1, 8), proposers=("draft", "c
 
 def decode_loops(lm, draft, table, *, k: int, proposers=("draft", "corpus_ngram", "prompt_lookup"),
                  reps: int = 5) -> dict:
-    """Batch-1 decoding loops timed at two reply lengths (prefill apart from the per-step cost):
+    """Batch-1 decoding loops timed at three reply lengths (the prefill apart from the per-step cost):
     ``ar_b1`` (`decode_step_ms`) and ``<proposer>_b1`` (`speculative_round_ms`, the NSD rule)."""
     out = {"ar_b1": decode_step_ms(lm, reps=reps)}
     for proposer in proposers:
