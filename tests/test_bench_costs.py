@@ -40,7 +40,7 @@ def test_round_profile_splits_a_round_into_its_parts():
     assert expected_speedup(2.0, propose_ms=0.0, target_forward_ms=1.0, one_token_ms=1.0) == 2.0
 
 
-def test_decode_step_is_the_slope_between_two_reply_lengths_and_feeds_the_regime():
+def test_decode_step_is_the_slope_over_reply_lengths_and_feeds_the_regime():
     from experiments.bench.spec_cost import regime
     from relf_jax.speculative.cost import decode_step_ms, weight_bytes
     from tests._serving import tiny_lm
