@@ -179,11 +179,16 @@ def test_interleaved_timing_takes_each_ratio_within_a_round(monkeypatch):
             name = f"nsd0.9_{'draft' if isinstance(method.proposer, DraftModel) else 'ngram'}_b{b}"
         slow = 1.0 + len(calls) // len(INTERLEAVED)  # the host slows down every round
         calls.append(name)
-        return types.SimpleNamespace(tokens_per_s=speed[name] / slow, tau=2.0)
+        return types.SimpleNamespace(tokens_per_s=speed[name] / slow, tau=1.0 if name.startswith("ar") else 2.0,
+                                     tokens=40)
 
     monkeypatch.setattr(recipes, "sample", fake_sample)
     cfg = Config()
-    out = interleaved_timing(None, ["p"], cfg, None, None, k=4, max_new=8, reps=3)
+    # the decoding loops, timed once a round: AR 10 ms a step, the draft's round 15 ms, the table's
+    # 12 ms, 40 ms of prefill each
+    loops = {"ar_b1": {"step_ms": 10.0, "fixed_ms": 40.0}, "draft_b1": {"round_ms": 15.0, "fixed_ms": 40.0},
+             "corpus_ngram_b1": {"round_ms": 12.0, "fixed_ms": 40.0}}
+    out = interleaved_timing(None, ["p"], cfg, None, None, k=4, max_new=8, reps=3, loops=lambda: loops)
     n = len(INTERLEAVED)
     assert len(calls) == 3 * n and sorted(calls[:n]) == sorted(speed)
     assert [calls[r * n] for r in range(3)] == [INTERLEAVED[r][0] for r in range(3)]  # rotated each round
@@ -191,6 +196,15 @@ def test_interleaved_timing_takes_each_ratio_within_a_round(monkeypatch):
     assert out["ratios"]["nsd0.9_over_standard_b1"] == pytest.approx(210 / 170)
     assert out["ratios"]["standard_over_ar_b8"] == pytest.approx(0.9)
     assert len(out["tokens_per_s"]["ar_b1"]) == 3 and out["tokens_per_s"]["ar_b1"][2] < out["tokens_per_s"]["ar_b1"][0]
+    # predicted per token from the loops: AR 10 + 40 / 40 = 11 ms; 40-token replies at tau 2 take
+    # 19 rounds: (19 x 15 + 40) / 40 = 8.125 ms with the draft, (19 x 12 + 40) / 40 = 6.7 with the table
+    cm = out["cost_model"]
+    assert set(cm) == {"standard_over_ar_b1", "nsd0.9_ngram_over_ar_b1", "nsd0.9_over_standard_b1"}  # b1 only
+    assert cm["standard_over_ar_b1"]["predicted"] == pytest.approx(11 / 8.125)
+    assert cm["standard_over_ar_b1"]["measured_over_predicted"] == pytest.approx(1.7 / (11 / 8.125))
+    assert cm["nsd0.9_ngram_over_ar_b1"]["predicted"] == pytest.approx(11 / 6.7)
+    assert cm["nsd0.9_over_standard_b1"]["predicted"] == pytest.approx(1.0)
+    assert len(out["loops"]) == 3 and out["mean_tokens"]["ar_b1"] == 40
 
 
 def test_quality_section_scores_each_rule_against_the_ar_curve_at_its_entropy(monkeypatch):

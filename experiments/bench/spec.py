@@ -88,7 +88,10 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
                       f"{s.tokens_per_s:8.1f} tok/s  tau {s.tau:4.2f}  gen PPL {q['gen_ppl']:7.2f}  "
                       f"entropy {q['entropy']:.2f}", flush=True)
     wall = time.perf_counter() - t0
-    interleaved = interleaved_timing(lm, prompts, cfg, draft, table, k, max_new, reps=2 if quick else 5)
+    interleaved = interleaved_timing(
+        lm, prompts, cfg, draft, table, k, max_new, reps=2 if quick else 5,
+        loops=lambda: spec_cost.decode_loops(lm, draft, table, k=k, proposers=("draft", "corpus_ngram"), reps=1,
+                                             verbose=False))
     quality = quality_section(lm, cfg, draft, table, judge,
                               held_out_prompts(cfg, QUICK_QUALITY_PROMPTS if quick else QUALITY_PROMPTS, seed=54321),
                               k, max_new)
@@ -142,11 +145,15 @@ INTERLEAVED_RATIOS = {"standard_over_ar_b1": ("standard_draft_b1", "ar_b1"),
                       "standard_over_ar_b8": ("standard_draft_b8", "ar_b8")}
 
 
-def interleaved_timing(lm, prompts, cfg, draft, table, k: int, max_new: int, reps: int) -> dict:
+def interleaved_timing(lm, prompts, cfg, draft, table, k: int, max_new: int, reps: int, loops=None) -> dict:
     """The target rows (T = 1, K = `k`) timed round-robin: `reps` rounds, each decoding the same
     prompts once with every row, the order rotated by one each round. A ratio is taken within a
     round (its two rows a few seconds apart) and its median over rounds reported, so a host whose
-    speed drifts over the minutes of the sequential sweep moves both sides of it alike."""
+    speed drifts over the minutes of the sequential sweep moves both sides of it alike.
+
+    `loops` (a callable returning `spec_cost.decode_loops`' dict) is timed once at the end of each
+    round; the batch-1 ratios are then predicted from that round's loops and the rows' tau and
+    reply lengths (`spec_cost.interleaved_predictions`), in the same stretch as the rows."""
     from relf_jax.speculative.recipes import sample
 
     def method(rule, proposer, nsd):
@@ -160,19 +167,32 @@ def interleaved_timing(lm, prompts, cfg, draft, table, k: int, max_new: int, rep
         return sample(lm, prompts=prompts, sample_cfg=sc, method=method(rule, proposer, nsd), ngram_table=table)
 
     speeds = {row[0]: [] for row in INTERLEAVED}
-    taus = {}
+    taus, mean_tokens, round_loops = {}, {}, []
     for r in range(reps):
         for row in INTERLEAVED[r % len(INTERLEAVED):] + INTERLEAVED[:r % len(INTERLEAVED)]:
             s = run(row)
             speeds[row[0]].append(s.tokens_per_s)
             taus[row[0]] = s.tau
+            mean_tokens[row[0]] = s.tokens / len(prompts)
+        if loops is not None:
+            round_loops.append(loops())
     per_round = {name: [a / b for a, b in zip(speeds[num], speeds[den])]
                  for name, (num, den) in INTERLEAVED_RATIOS.items()}
     print(f"[bench spec] interleaved, {reps} rounds: " + "  ".join(
         f"{name} {float(np.median(v)):.2f}" for name, v in per_round.items()), flush=True)
-    return {"reps": reps, "tokens_per_s": speeds, "tau": taus,
-            "ratios": {name: float(np.median(v)) for name, v in per_round.items()},
-            "ratio_range": {name: [float(min(v)), float(max(v))] for name, v in per_round.items()}}
+    out = {"reps": reps, "tokens_per_s": speeds, "tau": taus, "mean_tokens": mean_tokens,
+           "ratios": {name: float(np.median(v)) for name, v in per_round.items()},
+           "ratio_range": {name: [float(min(v)), float(max(v))] for name, v in per_round.items()}}
+    if round_loops:
+        proposers = {row[0]: row[3] for row in INTERLEAVED}
+        out["loops"] = round_loops
+        out["cost_model"] = spec_cost.interleaved_predictions(per_round, INTERLEAVED_RATIOS, proposers, taus,
+                                                              mean_tokens, round_loops)
+        for name, p in out["cost_model"].items():
+            print(f"[bench spec] interleaved cost model {name}: measured x{p['measured']:.2f}  predicted with the "
+                  f"prefill x{p['predicted']:.2f}  (measured / predicted {p['measured_over_predicted']:.2f}, "
+                  f"rounds {p['range'][0]:.2f}-{p['range'][1]:.2f})", flush=True)
+    return out
 
 
 def _spec_ratios(rows, temperatures=(1.0, 0.7), k: int = 4) -> dict:

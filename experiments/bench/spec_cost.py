@@ -73,7 +73,7 @@ def profiles(lm, draft, table, *, k: int, batches=(1, 8), proposers=("draft", "c
 
 
 def decode_loops(lm, draft, table, *, k: int, proposers=("draft", "corpus_ngram", "prompt_lookup"),
-                 reps: int = 5) -> dict:
+                 reps: int = 5, verbose: bool = True) -> dict:
     """Batch-1 decoding loops timed at three reply lengths (the prefill apart from the per-step cost):
     ``ar_b1`` (`decode_step_ms`) and ``<proposer>_b1`` (`speculative_round_ms`, the NSD rule)."""
     out = {"ar_b1": decode_step_ms(lm, reps=reps)}
@@ -81,10 +81,11 @@ def decode_loops(lm, draft, table, *, k: int, proposers=("draft", "corpus_ngram"
         method = Speculative(rule="nsd", k=k, proposer=parse_proposer(proposer, draft=draft))
         out[f"{proposer}_b1"] = speculative_round_ms(lm, method, draft=draft if proposer == "draft" else None,
                                                      table=table if proposer == "corpus_ngram" else None, reps=reps)
-    for name, v in out.items():
-        per = v.get("step_ms", v.get("round_ms"))
-        print(f"[bench spec] loop {name:>16}: {per:.3f} ms a {'step' if 'step_ms' in v else 'round'}, "
-              f"{v['fixed_ms']:.2f} ms fixed (prefill, first token, call)", flush=True)
+    if verbose:
+        for name, v in out.items():
+            per = v.get("step_ms", v.get("round_ms"))
+            print(f"[bench spec] loop {name:>16}: {per:.3f} ms a {'step' if 'step_ms' in v else 'round'}, "
+                  f"{v['fixed_ms']:.2f} ms fixed (prefill, first token, call)", flush=True)
     return out
 
 
@@ -138,19 +139,48 @@ def predictions(rows: list[dict], profs: dict, k: int, costs: dict | None = None
             pred = r["tau"] / (prof["propose_ms"] / prof["one_token_ms"] + fc["ratio"])
             out[-1]["predicted_speedup_forward_cost"] = pred
             out[-1]["measured_over_predicted_forward_cost"] = out[-1]["measured_speedup"] / pred
-        ar_loop, sp_loop = (loops or {}).get(f"ar_b{r['batch']}"), (loops or {}).get(f"{r['proposer']}_b{r['batch']}")
-        if ar_loop is not None and sp_loop is not None and r.get("mean_tokens"):
-            n, n_ar = r["mean_tokens"], ar.get("mean_tokens") or r["mean_tokens"]
-            rounds = max(n / r["tau"] - 1.0, 0.0)  # tau counts the prefill as a forward
-            ar_token_ms = ar_loop["step_ms"] + ar_loop["fixed_ms"] / n_ar  # the AR row's replies: n_ar tokens
-            sp_token_ms = (rounds * sp_loop["round_ms"] + sp_loop["fixed_ms"]) / n
+        if r["batch"] == 1 and "ar_b1" in (loops or {}) and f"{r['proposer']}_b1" in loops and r.get("mean_tokens"):
+            n, n_ar = r["mean_tokens"], ar.get("mean_tokens") or r["mean_tokens"]  # the AR row's replies: n_ar
+            ar_token_ms = loop_token_ms(loops, "-", 1.0, n_ar)
+            sp_token_ms = loop_token_ms(loops, r["proposer"], r["tau"], n)
+            sp_loop = loops[f"{r['proposer']}_b1"]
             out[-1].update({"predicted_speedup_with_prefill": ar_token_ms / sp_token_ms,
                             "measured_over_predicted_with_prefill":
                                 out[-1]["measured_speedup"] * sp_token_ms / ar_token_ms,
-                            "prefill_per_token_ar_ms": ar_loop["fixed_ms"] / n_ar,
-                            "prefill_per_round_ms": sp_loop["fixed_ms"] / max(rounds, 1.0),
+                            "prefill_per_token_ar_ms": loops["ar_b1"]["fixed_ms"] / n_ar,
+                            "prefill_per_round_ms": sp_loop["fixed_ms"] / max(n / r["tau"] - 1.0, 1.0),
                             "loop_overhead_per_round_ms": sp_loop["round_ms"] - prof["propose_ms"]
                             - prof["target_forward_ms"]})
+    return out
+
+
+def loop_token_ms(loops: dict, proposer: str, tau: float, tokens: float) -> float:
+    """ms per token of a batch-1 reply of `tokens` tokens from the decoding loops (`decode_loops`):
+    AR (`proposer` "-") a step each plus the fixed cost; speculative n / tau - 1 rounds (tau counts
+    the prefill as a forward) plus the fixed cost."""
+    if proposer == "-":
+        return loops["ar_b1"]["step_ms"] + loops["ar_b1"]["fixed_ms"] / tokens
+    loop = loops[f"{proposer}_b1"]
+    return (max(tokens / tau - 1.0, 0.0) * loop["round_ms"] + loop["fixed_ms"]) / tokens
+
+
+def interleaved_predictions(per_round: dict, ratios: dict, proposers: dict, taus: dict, tokens: dict,
+                            round_loops: list[dict]) -> dict:
+    """For each batch-1 ratio of the interleaved rows (``ratios``: name -> (numerator row,
+    denominator row), rows named ``*_b1``; ``proposers``: row -> "-" for AR or its proposer): the
+    speed ratio each round's loops predict (`loop_token_ms` of the denominator over the
+    numerator's, from the rows' tau and reply lengths) next to the round's measured ratio
+    (``per_round``), and the medians over rounds."""
+    out = {}
+    for name, (num, den) in ratios.items():
+        if not (num.endswith("_b1") and den.endswith("_b1")):
+            continue
+        pred = [loop_token_ms(lp, proposers[den], taus[den], tokens[den])
+                / loop_token_ms(lp, proposers[num], taus[num], tokens[num]) for lp in round_loops]
+        quot = [m / p for m, p in zip(per_round[name], pred)]
+        out[name] = {"measured": float(np.median(per_round[name])), "predicted": float(np.median(pred)),
+                     "measured_over_predicted": float(np.median(quot)),
+                     "range": [float(min(quot)), float(max(quot))]}
     return out
 
 
