@@ -123,7 +123,10 @@ def _slope(run, steps: Sequence[int], reps: int) -> dict:
     the lengths for `reps` rounds so a host that drifts slows every length alike: the median ms per
     length, and the least-squares line through them: ms per unit (slope) and the intercept at zero
     units."""
-    counts = {n: run(n)[1] for n in steps}
+    counts = {}
+    for n in steps:  # compile, and finish, each length before the clock starts
+        out, counts[n] = run(n)
+        jax.block_until_ready(out)
     times: dict[int, list[float]] = {n: [] for n in steps}
     for _ in range(reps):
         for n in steps:
