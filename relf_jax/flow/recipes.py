@@ -93,8 +93,9 @@ def check_resumable(model_dir: str, model_cfg) -> None:
                             f"{on if before else off}, or train in another workdir")
     if saved is None:
         return
+    saved_cfg = saved_model_config(saved)
     for field, what, key in _NETWORK_SHAPES:
-        before = getattr(saved_model_config(saved), field)
+        before = getattr(saved_cfg, field)
         if before != getattr(model_cfg, field) and (model_cfg.flow_blind_spot or field != "flow_query_layers"):
             raise UserError(f"the ReLF checkpoint in {model_dir} was trained with {before} {what}; resume it "
                             f"with {key}={before}, or train in another workdir")
