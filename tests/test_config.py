@@ -51,6 +51,7 @@ def test_unknown_preset():
     ("data.seq_len=4096", "exceeds model.max_seq_len"),
     ("model.num_kv_heads=3", "multiple of"),
     ("flow.window=0", "flow.window"),
+    ("speculative.draft_temperature_scale=0", "draft_temperature_scale must be > 0"),
 ])
 def test_invalid_values(override, pattern):
     with pytest.raises(ConfigError, match=pattern):

@@ -48,10 +48,12 @@ def test_ar_engine_matches_the_sampler_per_request(steps_per_call):
         assert out[slot][:len(want)] == want, slot
 
 
-@pytest.mark.parametrize("rule,proposer,steps_per_call", [
-    ("nsd", "draft", 1), ("nsd", "draft", 2), ("standard", "corpus_ngram", 1),
-    ("standard", "prompt_lookup", 1)])
-def test_speculative_engine_matches_the_sampler_per_request(rule, proposer, steps_per_call):
+@pytest.mark.parametrize("rule,proposer,steps_per_call,scale", [
+    ("nsd", "draft", 1, 1.0), ("nsd", "draft", 2, 0.5), ("standard", "corpus_ngram", 1, 1.0),
+    ("standard", "prompt_lookup", 1, 1.0)])
+def test_speculative_engine_matches_the_sampler_per_request(rule, proposer, steps_per_call, scale):
+    """Each slot's tokens are `spec.generate`'s for its request alone (scale: the draft's
+    temperature scale, `Speculative.draft_temperature_scale`)."""
     from relf_jax.sampling import autoregressive as ar
     from relf_jax.speculative import generate as spec
     from relf_jax.speculative.ngram_draft import build_ngram_draft
@@ -60,7 +62,8 @@ def test_speculative_engine_matches_the_sampler_per_request(rule, proposer, step
     table = build_ngram_draft(PROMPTS, lm.model_cfg.vocab_size) if proposer == "corpus_ngram" else None
     draft = draft if proposer == "draft" else None
     k, rounds = 3, 4
-    eng = E.SpeculativeEngine(lm, 2, method=parse_method(rule, k=k, proposer=proposer), draft=draft,
+    eng = E.SpeculativeEngine(lm, 2, method=parse_method(rule, k=k, proposer=proposer, draft_temperature_scale=scale),
+                              draft=draft,
                               steps_per_call=steps_per_call, ngram_table=table)
     jobs = [(0, PROMPTS[0], RequestParams(40, 1.0, seed=3), 0),
             (1, PROMPTS[2], RequestParams(40, 1.0, top_p=0.8, seed=4), 1)]  # top-p joins a round later
@@ -70,7 +73,7 @@ def test_speculative_engine_matches_the_sampler_per_request(rule, proposer, step
         settings = spec.SpecSettings(k=k, rule=rule, proposer=proposer, max_new_tokens=200, eos_id=TOK.eos_id,
                                      pad_id=0)
         st = spec.generate(lm.graphdef, lm.params, arr, lens, jax.random.key(p.seed),
-                           spec.SpecParams.make(p.temperature, p.top_p), settings,
+                           spec.SpecParams.make(p.temperature, p.top_p, draft_temperature_scale=scale), settings,
                            draft_graphdef=draft.graphdef if draft else None,
                            draft_params=draft.params if draft else table)
         # the same rounds: compare what both produced in the rounds the engine ran

@@ -179,7 +179,8 @@ def test_drafts_follow_the_transformed_draft_logits():
     """The proposer samples over a context's M candidates; its tokens must follow the
     distribution the verifier is given (the returned [B, K, V] logits after the same
     temperature / top-p transform): Monte Carlo histograms within a few standard errors, and
-    greedy picks the lowest id among equally frequent candidates, as an argmax over V does."""
+    greedy picks the lowest id among equally frequent candidates, as an argmax over V does. A
+    draft temperature scale of 0.5 squares the table's probabilities (renormalised)."""
     import types
 
     from relf_jax.sampling import processors
@@ -188,8 +189,9 @@ def test_drafts_follow_the_transformed_draft_logits():
     table = build_ngram_draft(rows, 8, order=3, top_m=4)
     state = types.SimpleNamespace(tokens=jnp.asarray([[1, 2, 0, 0]], jnp.int32), lengths=jnp.asarray([2]))
     n = 20_000
-    for temperature, top_p in ((1.0, 1.0), (0.7, 0.8), (1.6, 0.9)):
-        sp = spec.SpecParams.make(temperature, top_p, 0.9)
+    qs = {}
+    for temperature, top_p, scale in ((1.0, 1.0, 1.0), (0.7, 0.8, 1.0), (1.6, 0.9, 1.0), (1.0, 1.0, 0.5)):
+        sp = spec.SpecParams.make(temperature, top_p, 0.9, draft_temperature_scale=scale)
         settings = spec.SpecSettings(k=2, rule="standard", proposer="corpus_ngram", max_new_tokens=4, eos_id=-1)
         draw = jax.jit(jax.vmap(
             lambda key, sp=sp, settings=settings: ngram_table.propose(table, state, sp, settings, key)))
@@ -198,8 +200,11 @@ def test_drafts_follow_the_transformed_draft_logits():
             logits[0, 0, 0], temperature, 0, top_p)), dtype=np.float64)
         freq = np.bincount(np.asarray(toks[:, 0, 0]), minlength=8) / n
         se = np.sqrt(q * (1 - q) / n) + 1e-12
-        assert np.all(np.abs(freq - q) <= 5 * se + 1e-9), (temperature, top_p, freq, q)
+        assert np.all(np.abs(freq - q) <= 5 * se + 1e-9), (temperature, top_p, scale, freq, q)
         assert q[3] > 0.2 and q[4] > 0.2  # the context (1, 2): 3 and 4 each seen twice
+        qs[scale, temperature] = q
+    plain = qs[1.0, 1.0]
+    np.testing.assert_allclose(qs[0.5, 1.0], plain ** 2 / np.sum(plain ** 2), atol=1e-5)
     greedy = jax.jit(lambda key: ngram_table.propose(  # jitted: op by op it compiles ~40 programs
         table, state, spec.SpecParams.make(0.0, 1.0, 0.9),
         spec.SpecSettings(k=1, rule="greedy", proposer="corpus_ngram", max_new_tokens=4, eos_id=-1), key))(

@@ -1,4 +1,5 @@
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -204,3 +205,53 @@ def test_standard_rule_with_penalties_and_bias_samples_the_processed_target(tiny
     assert tv(hist(out[rows, 2]), p3) < bound(p3, m)
     forgot = exact([(t1, t2)], count_drafts=False)[0]  # token 2's count left out
     assert tv(hist(out[rows, 2]), forgot) > bound(p3, m)
+
+
+@pytest.mark.parametrize("rule", ["standard", "nsd"])
+def test_sharpened_draft_keeps_the_standard_rule_exact_and_moves_nsd_as_predicted(tiny_model, draft_model, rule):
+    """With the draft sampling at half the temperature (`SpecParams.draft_temperature_scale`),
+    the reply's second token (the first one a round verifies) follows the rule's exact one-step
+    law with q the sharpened draft: the target's marginal under the standard rule,
+    `output_distribution(p, q, "nsd")` under NSD. Under NSD that law is measurably away from the
+    one with the unsharpened draft, so a scale the proposer ignored would fail the test."""
+    import jax.numpy as jnp
+
+    from relf_jax.speculative.verify import output_distribution
+
+    tg, tp = tiny_model
+    dg, dp = draft_model
+    prompt, n, temperature, scale = [2, 5, 6, 7], 8000, 0.5, 0.5
+    settings = spec.SpecSettings(k=2, rule=rule, proposer="draft", max_new_tokens=2, eos_id=-1)
+    prompts, lens = ar.pad_prompts([prompt] * n)
+    sp = spec.SpecParams.make(temperature, 1.0, 0.9, draft_temperature_scale=scale)
+    state = spec.generate(tg, tp, prompts, lens, jax.random.key(11), sp, settings, draft_graphdef=dg,
+                          draft_params=dp)
+    out = np.asarray(state.tokens)[:, len(prompt):len(prompt) + 2]
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def probs(graphdef, params, seqs, t):
+        logits = nnx.merge(graphdef, params)(seqs, jnp.broadcast_to(jnp.arange(seqs.shape[1]), seqs.shape))
+        logits = logits[0] if isinstance(logits, tuple) else logits
+        return jax.nn.softmax(logits[:, -1].astype(jnp.float32) / t)
+
+    v = int(probs(tg, tp, jnp.asarray([prompt], jnp.int32), temperature).shape[-1])
+    seqs = jnp.asarray([prompt + [t] for t in range(v)], jnp.int32)
+    p1 = np.asarray(probs(tg, tp, jnp.asarray([prompt], jnp.int32), temperature), np.float64)[0]
+    p2 = np.asarray(probs(tg, tp, seqs, temperature), np.float64)  # [token 1, V]
+
+    def law(draft_t):
+        q2 = np.asarray(probs(dg, dp, seqs, draft_t), np.float64)
+        return sum(p1[t] * output_distribution(p2[t] / p2[t].sum(), q2[t] / q2[t].sum(), rule, 0.9)
+                   for t in range(v))
+
+    def tv(a, b):
+        return 0.5 * np.abs(a - b).sum()
+
+    expected = law(temperature * scale)
+    bound = 4.0 * 0.5 * np.sum(np.sqrt(2.0 * expected * (1.0 - expected) / (np.pi * n)))
+    freq = np.bincount(out[:, 1], minlength=v) / n
+    assert tv(freq, expected) < bound
+    if rule == "standard":
+        np.testing.assert_allclose(expected, p1 @ p2, atol=1e-6)
+    else:
+        assert tv(freq, law(temperature)) > bound

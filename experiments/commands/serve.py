@@ -32,6 +32,9 @@ def serve_args(p):
                    help="corpus_ngram online: the newest served tokens the table counts (its memory bound)")
     p.add_argument("--draft", default=None, help="speculative: the draft's run directory (default <workdir>/draft)")
     p.add_argument("--nsd-top-p", type=float, default=0.9)
+    p.add_argument("--draft-temperature-scale", type=float, default=1.0,
+                   help="speculative: the proposer samples at the request's temperature times this; below 1 "
+                        "lengthens NSD's accepted prefixes and sharpens its replies (the standard rule stays exact)")
     p.add_argument("--nfe", type=int, default=None, help="relf: network calls per reply")
     p.add_argument("--threshold", type=float, default=0.95, help="bd: confidence threshold")
     p.add_argument("--steps-per-call", type=int, default=None,
@@ -105,7 +108,8 @@ def serve(args) -> int:
     template = ChatTemplate.from_file(args.chat_template) if args.chat_template else None
     mesh = serving_mesh(args.overrides)
     # the edge: the command line's names become method objects here, once
-    chosen = [parse_method(g, proposer=args.proposer, k=args.k, nsd_top_p=args.nsd_top_p, nfe=args.nfe,
+    chosen = [parse_method(g, proposer=args.proposer, k=args.k, nsd_top_p=args.nsd_top_p,
+                           draft_temperature_scale=args.draft_temperature_scale, nfe=args.nfe,
                            threshold=args.threshold, draft=args.draft, corpus=args.ngram_corpus,
                            online_tokens=args.ngram_online_tokens) for g in args.generator or ["ar"]]
     models = build_models(args.model_path or args.workdir, chosen, model_name=args.model_name,

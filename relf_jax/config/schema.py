@@ -256,6 +256,7 @@ class SpeculativeConfig:
     k: int = 4
     proposer: Proposer = "draft"
     nsd_top_p: float = 0.9
+    draft_temperature_scale: float = 1.0  # the proposer samples at temperature x this (relf_jax.methods.Speculative)
     ngram: int = 3  # prompt lookup: longest n-gram to match
     corpus_order: int = 3  # corpus_ngram: contexts of up to order - 1 tokens
     corpus_top_m: int = 16  # corpus_ngram: next tokens kept per context
@@ -335,6 +336,8 @@ class Config:
         sp = self.speculative
         _check(sp.k >= 1, f"speculative.k must be >= 1, got {sp.k}")
         _check(0 < sp.nsd_top_p <= 1, f"speculative.nsd_top_p must be in (0, 1], got {sp.nsd_top_p}")
+        _check(sp.draft_temperature_scale > 0,
+               f"speculative.draft_temperature_scale must be > 0, got {sp.draft_temperature_scale}")
         _check(sp.ngram >= 1, f"speculative.ngram must be >= 1, got {sp.ngram}")
         _check(sp.corpus_order >= 2, f"speculative.corpus_order must be >= 2, got {sp.corpus_order}")
         _check(sp.corpus_top_m >= 1, f"speculative.corpus_top_m must be >= 1, got {sp.corpus_top_m}")

@@ -98,7 +98,7 @@ def speculative_round_ms(lm, method, *, draft=None, table=None, batch: int = 1, 
     from relf_jax.speculative import generate as spec
 
     prompts, lengths = _random_prompts(lm, batch, prompt_len, seed)
-    sp = spec.SpecParams.make(temperature, 1.0, method.nsd_top_p)
+    sp = spec.SpecParams.make(temperature, 1.0, method.nsd_top_p, method.draft_temperature_scale)
     dg, dp = (draft.graphdef, draft.params) if draft is not None else (None, table)
 
     def run(n):
@@ -200,7 +200,7 @@ def round_profile(lm, method, *, draft=None, table=None, batch: int = 1, context
 
     k = method.k
     settings = spec.SpecSettings.from_method(method, lm.tokenizer, loops * (k + 1) + 8)
-    sp = spec.SpecParams.make(temperature, 1.0, method.nsd_top_p)
+    sp = spec.SpecParams.make(temperature, 1.0, method.nsd_top_p, method.draft_temperature_scale)
     tg, tp = lm.graphdef, lm.params
     dg, dp = (draft.graphdef, draft.params) if draft is not None else (None, table)
     vocab = lm.model_cfg.vocab_size

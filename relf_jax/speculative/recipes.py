@@ -93,7 +93,7 @@ def spec_batch(lm: LoadedModel, sc: SampleConfig, method: Speculative, draft: Op
     from relf_jax.speculative import generate as spec
 
     settings = spec.SpecSettings.from_method(method, lm.tokenizer, sc.max_new_tokens, top_k=sc.top_k)
-    params = spec.SpecParams.make(sc.temperature, sc.top_p, method.nsd_top_p)
+    params = spec.SpecParams.make(sc.temperature, sc.top_p, method.nsd_top_p, method.draft_temperature_scale)
 
     def run(arr, lens, key):
         state = spec.generate(lm.graphdef, lm.params, arr, lens, key, params, settings,

@@ -69,6 +69,9 @@ class SpecParams:
     top_k: jax.Array | None = None
     min_p: jax.Array | None = None
     penalties: processors.Penalties | None = None
+    # the draft samples at temperature x this (None: 1, the target's temperature); the verifier is
+    # given the distribution it sampled, so the standard rule stays exact
+    draft_temperature_scale: jax.Array | None = None
 
     @property
     def processed(self) -> bool:
@@ -78,11 +81,27 @@ class SpecParams:
             pen is not None and (pen.bias is not None or pen.tracks))
 
     @classmethod
-    def make(cls, temperature=1.0, top_p=1.0, nsd_top_p=0.9) -> SpecParams:
+    def make(cls, temperature=1.0, top_p=1.0, nsd_top_p=0.9, draft_temperature_scale=1.0) -> SpecParams:
         validate_sampling(temperature, 0, top_p)
         if not 0 < nsd_top_p <= 1:
             raise UserError(f"nsd_top_p must be in (0, 1], got {nsd_top_p}")
-        return cls(jnp.float32(temperature), jnp.float32(top_p), jnp.float32(nsd_top_p))
+        check_draft_temperature_scale(draft_temperature_scale)
+        return cls(jnp.float32(temperature), jnp.float32(top_p), jnp.float32(nsd_top_p),
+                   draft_temperature_scale=None if draft_temperature_scale == 1.0
+                   else jnp.float32(draft_temperature_scale))
+
+
+def check_draft_temperature_scale(scale) -> None:
+    """A clear error unless the draft's temperature scale is a number > 0."""
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
+        raise UserError(f"draft_temperature_scale must be a number > 0, got {scale!r}")
+
+
+def draft_logits_scaled(logits: jax.Array, sp: SpecParams) -> jax.Array:
+    """A proposer's raw logits as it samples them: divided by `SpecParams.draft_temperature_scale`
+    (the sampling transform then divides by the temperature), unchanged without one."""
+    s = sp.draft_temperature_scale
+    return logits if s is None else logits / s
 
 
 @flax.struct.dataclass

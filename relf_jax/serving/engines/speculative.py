@@ -114,8 +114,9 @@ class SpeculativeEngine(SlotEngine):
         from relf_jax.sampling import autoregressive as ar
 
         sp = request_sampling(ar, knobs, bias_ids, bias_vals, self.vocab_size)
+        scale = self.method.draft_temperature_scale
         return self._spec.SpecParams(sp.temperature, sp.top_p, jnp.float32(self.nsd_top_p), sp.top_k, sp.min_p,
-                                     sp.penalties)
+                                     sp.penalties, None if scale == 1.0 else jnp.float32(scale))
 
     @staticmethod
     def _static_params(sp, features: frozenset):

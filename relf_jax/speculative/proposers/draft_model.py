@@ -7,12 +7,22 @@ import jax
 import jax.numpy as jnp
 
 from relf_jax.sampling import processors
-from relf_jax.speculative.state import SpecParams, SpecSettings, SpecState, call_model, penalties, sampling_knobs, take
+from relf_jax.speculative.state import (
+    SpecParams,
+    SpecSettings,
+    SpecState,
+    call_model,
+    draft_logits_scaled,
+    penalties,
+    sampling_knobs,
+    take,
+)
 
 
 def propose(draft_graphdef, draft_params, state: SpecState, sp: SpecParams, settings: SpecSettings, key):
     """K draft tokens and their logits [B, K], [B, K, V] from the draft model (with processed
-    sampling, `SpecParams.processed`: the processed log-probs each token was drawn from)."""
+    sampling, `SpecParams.processed`: the processed log-probs each token was drawn from), at the
+    draft's own temperature scale (`SpecParams.draft_temperature_scale`)."""
     lengths = state.lengths
     pos2 = jnp.stack([lengths - 2, lengths - 1], axis=1)
     logits, cache = call_model(draft_graphdef, draft_params, take(state.tokens, pos2), pos2, state.draft_cache,
@@ -25,6 +35,7 @@ def propose(draft_graphdef, draft_params, state: SpecState, sp: SpecParams, sett
 
     def draw(lg, k, drafted):
         """(token, the logits q it was drawn from): processed drafts count the earlier ones."""
+        lg = draft_logits_scaled(lg, sp)
         if not sp.processed:
             return processors.sample(lg, k, *knobs), lg
         x = processors.adjust(lg, pen, drafted if pen is not None and pen.tracks else None)

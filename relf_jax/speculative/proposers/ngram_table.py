@@ -8,7 +8,15 @@ import jax.numpy as jnp
 
 from relf_jax.sampling import processors
 from relf_jax.speculative import ngram_draft
-from relf_jax.speculative.state import SpecParams, SpecSettings, SpecState, penalties, sampling_knobs, take
+from relf_jax.speculative.state import (
+    SpecParams,
+    SpecSettings,
+    SpecState,
+    draft_logits_scaled,
+    penalties,
+    sampling_knobs,
+    take,
+)
 
 
 def propose(table: ngram_draft.NgramDraft, state: SpecState, sp: SpecParams, settings: SpecSettings, key):
@@ -26,7 +34,8 @@ def propose_candidates(table: ngram_draft.NgramDraft, state: SpecState, sp: Spec
     Each draw runs the sampling transform over the context's M candidates, not the vocabulary:
     every other token has probability 0, so the transformed distribution is the same (top-k and
     top-p act on the same non-zero entries; greedy ties go to the lowest token id either way,
-    as candidates of equal count are in id order). The verifier takes the candidates as they
+    as candidates of equal count are in id order). With `SpecParams.draft_temperature_scale` the
+    log-probabilities are divided by it first, and returned so. The verifier takes the candidates as they
     are (`verify.verify_sparse`), or scattered over the vocabulary (`propose`).
     """
     c = table.order - 1
@@ -39,6 +48,7 @@ def propose_candidates(table: ngram_draft.NgramDraft, state: SpecState, sp: Spec
     toks, cands, lps = [], [], []
     for i in range(settings.k):
         cand, lp = ngram_draft.next_candidates(table, ctx, valid)
+        lp = draft_logits_scaled(lp, sp)
         if sp.processed:  # the processors on the M candidates (gathered bias and counts); q as log-probs
             if pen is not None:
                 def at(x, cand=cand):  # [V] or [B, V] -> [B, M]
