@@ -166,7 +166,8 @@ def test_interleaved_timing_takes_each_ratio_within_a_round(monkeypatch):
     from relf_jax.methods import Autoregressive, DraftModel
 
     speed = {"ar_b1": 100.0, "standard_draft_b1": 170.0, "nsd0.9_draft_b1": 210.0, "nsd0.9_ngram_b1": 250.0,
-             "ar_b8": 400.0, "standard_draft_b8": 360.0}
+             "nsd0.9_sharp_draft_b1": 230.0, "standard_draft_T0.7_b1": 180.0, "ar_b8": 400.0,
+             "standard_draft_b8": 360.0}
     calls = []
 
     def fake_sample(lm, prompts, sample_cfg, method, ngram_table):
@@ -174,7 +175,10 @@ def test_interleaved_timing_takes_each_ratio_within_a_round(monkeypatch):
         if isinstance(method, Autoregressive):
             name = f"ar_b{b}"
         elif method.rule == "standard":
-            name = f"standard_draft_b{b}"
+            t = sample_cfg.temperature
+            name = "standard_draft" + ("" if t == 1.0 else f"_T{t:g}") + f"_b{b}"
+        elif method.draft_temperature_scale != 1.0:
+            name = f"nsd0.9_sharp_draft_b{b}"
         else:
             name = f"nsd0.9_{'draft' if isinstance(method.proposer, DraftModel) else 'ngram'}_b{b}"
         slow = 1.0 + len(calls) // len(INTERLEAVED)  # the host slows down every round
@@ -194,12 +198,15 @@ def test_interleaved_timing_takes_each_ratio_within_a_round(monkeypatch):
     assert [calls[r * n] for r in range(3)] == [INTERLEAVED[r][0] for r in range(3)]  # rotated each round
     assert out["ratios"]["standard_over_ar_b1"] == pytest.approx(1.7)
     assert out["ratios"]["nsd0.9_over_standard_b1"] == pytest.approx(210 / 170)
+    assert out["ratios"]["nsd0.9_sharp_over_standard_b1"] == pytest.approx(230 / 170)
+    assert out["ratios"]["nsd0.9_sharp_over_standard_T0.7_b1"] == pytest.approx(230 / 180)
     assert out["ratios"]["standard_over_ar_b8"] == pytest.approx(0.9)
     assert len(out["tokens_per_s"]["ar_b1"]) == 3 and out["tokens_per_s"]["ar_b1"][2] < out["tokens_per_s"]["ar_b1"][0]
     # predicted per token from the loops: AR 10 + 40 / 40 = 11 ms; 40-token replies at tau 2 take
     # 19 rounds: (19 x 15 + 40) / 40 = 8.125 ms with the draft, (19 x 12 + 40) / 40 = 6.7 with the table
     cm = out["cost_model"]
-    assert set(cm) == {"standard_over_ar_b1", "nsd0.9_ngram_over_ar_b1", "nsd0.9_over_standard_b1"}  # b1 only
+    assert set(cm) == {name for name in out["ratios"] if name.endswith("_b1")}  # b1 only
+    assert "standard_over_ar_b8" not in cm
     assert cm["standard_over_ar_b1"]["predicted"] == pytest.approx(11 / 8.125)
     assert cm["standard_over_ar_b1"]["measured_over_predicted"] == pytest.approx(1.7 / (11 / 8.125))
     assert cm["nsd0.9_ngram_over_ar_b1"]["predicted"] == pytest.approx(11 / 6.7)
@@ -223,7 +230,9 @@ def test_quality_section_scores_each_rule_against_the_ar_curve_at_its_entropy(mo
         if isinstance(method, Autoregressive):
             e, scale = 2.0 + t, 1.0
         elif method.rule == "standard":
-            e, scale = 3.05, 1.0
+            e, scale = 2.0 + t + 0.05, 1.0
+        elif method.draft_temperature_scale != 1.0:  # sharper: at T = 0.7's entropy, 5 % above the curve
+            e, scale = 2.75, 1.05
         else:
             e, scale = (3.05, 1.1) if isinstance(method.proposer, DraftModel) else (2.85, 1.3)
         return types.SimpleNamespace(texts=[f"{e} {scale}"] * 3, complete=[True] * 3, tau=2.0)
@@ -243,11 +252,15 @@ def test_quality_section_scores_each_rule_against_the_ar_curve_at_its_entropy(mo
     names = [r["name"] for r in out["rows"]]
     assert names == ["ar"] * len(sq.QUALITY_TEMPERATURES) + [r[0] for r in sq.QUALITY_ROWS]
     by = {r["name"]: r for r in out["rows"]}
-    assert by["standard_draft"]["over_ar_at_entropy"] == pytest.approx(1.0)
+    assert by["standard_draft"]["over_ar_at_entropy"] == pytest.approx(1.0)  # the T = 1 row, the first
     assert by["nsd0.9_draft"]["over_ar_at_entropy"] == pytest.approx(1.1)
     assert by["nsd0.9_ngram"]["entropy_outside_sweep"] == 0.0
+    assert by["nsd0.9_sharp_draft"]["entropy_outside_sweep"] == 0.0  # the sweep reaches T = 0.6
     assert out["ratios"] == pytest.approx({"nsd0.9_draft_over_standard_at_entropy": 1.1,
-                                          "nsd0.9_ngram_over_standard_at_entropy": 1.3})
+                                          "nsd0.9_ngram_over_standard_at_entropy": 1.3,
+                                          "nsd0.9_sharp_draft_over_standard_at_entropy": 1.05,
+                                          "standard_draft_T0.7_over_standard_at_entropy": 1.0})
+    assert out["bootstrap"]["nsd0.9_sharp_draft_over_standard_T0.7"]["ratio"] == pytest.approx(1.05)
     # raw gen-PPL ratios: NSD 1.1x the standard rule, every resample alike (all replies equal)
     boot = out["bootstrap"]["nsd0.9_draft_over_standard"]
     assert boot["ratio"] == pytest.approx(1.1) and boot["ci95"] == pytest.approx([1.1, 1.1])
@@ -287,3 +300,48 @@ def test_cpu_wide_draft_defaults_to_its_longer_distillation(monkeypatch):
         with pytest.raises(KeyboardInterrupt):
             spec.bench_spec("unused.json", preset=preset, draft_steps=steps, workdir="unused")
         assert seen[preset] == (steps or (spec.WIDE_DRAFT_STEPS if preset == "cpu-wide" else None))
+
+
+def test_draft_scale_curve_scores_each_scale_and_times_it_against_the_matched_standard_rule(monkeypatch):
+    """`spec_sharp`: AR rows make the curve (entropy 2 + T, log gen PPL = 2 x entropy); a sharpened
+    NSD row 10 % above the curve at T = 0.6's entropy reads 1.1 over the standard rule (on the
+    curve), its matched temperature is 0.6, and the speed rows time it against the standard rule at
+    T = 1 and at T = 0.6."""
+    import types
+
+    import experiments.bench.spec_sharp as ss
+    import relf_jax.speculative.recipes as recipes
+    from relf_jax.methods import Autoregressive
+
+    def row(name, t, e, scale=None, factor=1.0):
+        return {"name": name, "temperature": t, "draft_temperature_scale": scale, "entropy": e,
+                "gen_ppl": factor * math.exp(2 * e), "tau": 1.0}
+
+    rows = [row("ar", t, 2 + t) for t in ss.CURVE_TEMPERATURES]
+    rows += [row("standard", 1.0, 3.0), row("nsd0.9", 1.0, 3.0, 1.0, 0.95), row("nsd0.9", 1.0, 2.6, 0.5, 1.1)]
+    scored = ss.score_against_sweep(rows)
+    plain, sharp = scored[-2], scored[-1]
+    assert scored[-3]["over_standard"] == pytest.approx(1.0)
+    assert plain["over_standard"] == pytest.approx(0.95)
+    assert plain["matched_temperature"] == pytest.approx(1.0, abs=1e-3)
+    assert sharp["over_standard"] == pytest.approx(1.1)
+    assert sharp["over_standard_fitted"] == pytest.approx(1.1, rel=1e-3)
+    assert sharp["matched_temperature"] == pytest.approx(0.6, abs=1e-3) and sharp["entropy_outside_sweep"] == 0.0
+
+    speed = {("standard", 1.0, 1.0): 100.0, ("standard", 0.6, 1.0): 110.0, ("nsd", 1.0, 1.0): 115.0,
+             ("nsd", 1.0, 0.5): 140.0}
+    calls = []
+
+    def fake_sample(lm, prompts, sample_cfg, method, ngram_table):
+        assert not isinstance(method, Autoregressive) and sample_cfg.batch_size == 1
+        key = (method.rule, sample_cfg.temperature, method.draft_temperature_scale)
+        calls.append(key)
+        return types.SimpleNamespace(tokens_per_s=speed[key], tau=2.0, tokens=40)
+
+    monkeypatch.setattr(recipes, "sample", fake_sample)
+    out = ss._speed(None, Config(), None, ["p"], 4, 8, scored, reps=2)
+    assert sorted(set(calls)) == sorted(speed)  # the standard rule at T = 1 once, though s = 1 matches it
+    assert out["matched_temperature"] == {"1": 1.0, "0.5": 0.6}
+    assert out["ratios"] == pytest.approx({"nsd0.9_s1_over_standard_T1": 1.15, "nsd0.9_s1_over_standard_matched": 1.15,
+                                           "nsd0.9_s0.5_over_standard_T1": 1.4,
+                                           "nsd0.9_s0.5_over_standard_matched": 140 / 110})

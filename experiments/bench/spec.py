@@ -25,7 +25,7 @@ import numpy as np
 
 from experiments.bench import spec_cost
 from experiments.bench.common import ensure_target_and_draft, find_row, held_out_prompts, reply_quality
-from experiments.bench.spec_quality import QUALITY_PROMPTS, QUICK_QUALITY_PROMPTS, quality_section
+from experiments.bench.spec_quality import QUALITY_PROMPTS, QUICK_QUALITY_PROMPTS, SHARP_DRAFT_SCALE, quality_section
 from kernels_pallas import dispatch
 from relf_jax.io import write_json
 from relf_jax.methods import Autoregressive, Speculative, parse_proposer
@@ -56,13 +56,17 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
     n_prompts = 8 if quick else 16
     prompts = held_out_prompts(cfg, n_prompts)
     k = 4
-    variants = [("ar", "none", "-", None, None)]
+    # (method, rule, proposer, NSD top-p, K, the draft's temperature scale)
+    variants = [("ar", "none", "-", None, None, 1.0)]
     for proposer in ("draft", "prompt_lookup", "corpus_ngram"):
-        variants += [("speculative", "standard", proposer, None, k), ("speculative", "greedy", proposer, None, k)]
+        variants += [("speculative", "standard", proposer, None, k, 1.0),
+                     ("speculative", "greedy", proposer, None, k, 1.0)]
         for nsd in ((0.8, 0.9, 0.95) if proposer == "draft" else (0.9,)):
-            variants.append(("speculative", "nsd", proposer, nsd, k))
+            variants.append(("speculative", "nsd", proposer, nsd, k, 1.0))
+        if proposer == "draft":  # NSD with the draft sampling at half the temperature
+            variants.append(("speculative", "nsd", proposer, 0.9, k, SHARP_DRAFT_SCALE))
     # K swept at batch 1, T = 1: the draft model and the n-gram table, both rules
-    swept = [("speculative", rule, proposer, 0.9 if rule == "nsd" else None, other)
+    swept = [("speculative", rule, proposer, 0.9 if rule == "nsd" else None, other, 1.0)
              for other in (2, 6) for proposer in ("draft", "corpus_ngram") for rule in ("standard", "nsd")]
     table = None
     rows = []
@@ -71,16 +75,20 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
         for temperature in ((1.0,) if quick else (1.0, 0.7, 0.0)):
             sc = dataclasses.replace(cfg.sample, batch_size=batch, max_new_tokens=max_new, temperature=temperature,
                                      top_k=0, top_p=1.0, seed=0)
-            for method, rule, proposer, nsd, kk in variants + (swept if (batch, temperature) == (1, 1.0) else []):
+            for method, rule, proposer, nsd, kk, scale in variants + (swept if (batch, temperature) == (1, 1.0)
+                                                                     else []):
                 chosen = Autoregressive() if rule == "none" else Speculative(
-                    rule=rule, k=kk, nsd_top_p=nsd or 0.9, proposer=parse_proposer(proposer, draft=draft))
+                    rule=rule, k=kk, nsd_top_p=nsd or 0.9, draft_temperature_scale=scale,
+                    proposer=parse_proposer(proposer, draft=draft))
                 if proposer == "corpus_ngram" and table is None:
                     table = proposer_inputs(lm, chosen)[1]  # built once, for every row and the profile
                 s = sample(lm, prompts=prompts, sample_cfg=sc, method=chosen, ngram_table=table)
                 q = reply_quality(judge, prompts, s.texts, s.complete)
                 q = {"gen_ppl": q["gen_ppl"], "entropy": q["entropy"]}
-                row = {"method": method if rule == "none" else f"{rule}" + (f"@{nsd}" if nsd else ""),
-                       "rule": rule, "proposer": proposer, "nsd_top_p": nsd, "temperature": temperature,
+                row = {"method": method if rule == "none" else f"{rule}" + (f"@{nsd}" if nsd else "")
+                       + ("" if scale == 1.0 else f"/s{scale:g}"),
+                       "rule": rule, "proposer": proposer, "nsd_top_p": nsd, "draft_temperature_scale": scale,
+                       "temperature": temperature,
                        "batch": batch, "k": kk, "tokens_per_s": s.tokens_per_s,
                        "tau": s.tau, "mean_tokens": s.tokens / len(prompts), **q}
                 rows.append(row)
@@ -134,20 +142,29 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
     return report
 
 
-# the rows the targets compare, timed again interleaved: (name, batch, rule, proposer, nsd_top_p)
-INTERLEAVED = (("ar_b1", 1, "none", "-", None), ("standard_draft_b1", 1, "standard", "draft", None),
-               ("nsd0.9_draft_b1", 1, "nsd", "draft", 0.9), ("nsd0.9_ngram_b1", 1, "nsd", "corpus_ngram", 0.9),
-               ("ar_b8", 8, "none", "-", None), ("standard_draft_b8", 8, "standard", "draft", None))
+# the rows the targets compare, timed again interleaved: (name, batch, rule, proposer, nsd_top_p,
+# the draft's temperature scale, temperature). The standard rule at T = 0.7 is the exact rule at
+# about the sharpened NSD row's entropy (`spec_quality` measures both on 256 prompts)
+INTERLEAVED = (("ar_b1", 1, "none", "-", None, 1.0, 1.0), ("standard_draft_b1", 1, "standard", "draft", None, 1.0, 1.0),
+               ("nsd0.9_draft_b1", 1, "nsd", "draft", 0.9, 1.0, 1.0),
+               ("nsd0.9_ngram_b1", 1, "nsd", "corpus_ngram", 0.9, 1.0, 1.0),
+               ("nsd0.9_sharp_draft_b1", 1, "nsd", "draft", 0.9, SHARP_DRAFT_SCALE, 1.0),
+               ("standard_draft_T0.7_b1", 1, "standard", "draft", None, 1.0, 0.7),
+               ("ar_b8", 8, "none", "-", None, 1.0, 1.0), ("standard_draft_b8", 8, "standard", "draft", None, 1.0, 1.0))
 # ratio name -> (numerator, denominator)
 INTERLEAVED_RATIOS = {"standard_over_ar_b1": ("standard_draft_b1", "ar_b1"),
                       "nsd0.9_ngram_over_ar_b1": ("nsd0.9_ngram_b1", "ar_b1"),
                       "nsd0.9_over_standard_b1": ("nsd0.9_draft_b1", "standard_draft_b1"),
+                      "nsd0.9_sharp_over_standard_b1": ("nsd0.9_sharp_draft_b1", "standard_draft_b1"),
+                      "nsd0.9_sharp_over_standard_T0.7_b1": ("nsd0.9_sharp_draft_b1", "standard_draft_T0.7_b1"),
                       "standard_over_ar_b8": ("standard_draft_b8", "ar_b8")}
 
 
-def interleaved_timing(lm, prompts, cfg, draft, table, k: int, max_new: int, reps: int, loops=None) -> dict:
-    """The target rows (T = 1, K = `k`) timed round-robin: `reps` rounds, each decoding the same
-    prompts once with every row, the order rotated by one each round. A ratio is taken within a
+def interleaved_timing(lm, prompts, cfg, draft, table, k: int, max_new: int, reps: int, loops=None,
+                       rows: tuple = INTERLEAVED, ratios: dict | None = None) -> dict:
+    """The target rows (`rows`, as `INTERLEAVED`; K = `k`) timed round-robin: `reps` rounds, each
+    decoding the same prompts once with every row, the order rotated by one each round; `ratios`
+    (default `INTERLEAVED_RATIOS`) names the ratios taken. A ratio is taken within a
     round (its two rows a few seconds apart) and its median over rounds reported, so a host whose
     speed drifts over the minutes of the sequential sweep moves both sides of it alike.
 
@@ -156,37 +173,39 @@ def interleaved_timing(lm, prompts, cfg, draft, table, k: int, max_new: int, rep
     reply lengths (`spec_cost.interleaved_predictions`), in the same stretch as the rows."""
     from relf_jax.speculative.recipes import sample
 
-    def method(rule, proposer, nsd):
+    def method(rule, proposer, nsd, scale):
         return Autoregressive() if rule == "none" else Speculative(
-            rule=rule, k=k, nsd_top_p=nsd or 0.9, proposer=parse_proposer(proposer, draft=draft))
+            rule=rule, k=k, nsd_top_p=nsd or 0.9, draft_temperature_scale=scale,
+            proposer=parse_proposer(proposer, draft=draft))
 
     def run(row):
-        _, batch, rule, proposer, nsd = row
-        sc = dataclasses.replace(cfg.sample, batch_size=batch, max_new_tokens=max_new, temperature=1.0, top_k=0,
-                                 top_p=1.0, seed=0)
-        return sample(lm, prompts=prompts, sample_cfg=sc, method=method(rule, proposer, nsd), ngram_table=table)
+        _, batch, rule, proposer, nsd, scale, temperature = row
+        sc = dataclasses.replace(cfg.sample, batch_size=batch, max_new_tokens=max_new, temperature=temperature,
+                                 top_k=0, top_p=1.0, seed=0)
+        return sample(lm, prompts=prompts, sample_cfg=sc, method=method(rule, proposer, nsd, scale),
+                      ngram_table=table)
 
-    speeds = {row[0]: [] for row in INTERLEAVED}
+    ratios = INTERLEAVED_RATIOS if ratios is None else ratios
+    speeds = {row[0]: [] for row in rows}
     taus, mean_tokens, round_loops = {}, {}, []
     for r in range(reps):
-        for row in INTERLEAVED[r % len(INTERLEAVED):] + INTERLEAVED[:r % len(INTERLEAVED)]:
+        for row in rows[r % len(rows):] + rows[:r % len(rows)]:
             s = run(row)
             speeds[row[0]].append(s.tokens_per_s)
             taus[row[0]] = s.tau
             mean_tokens[row[0]] = s.tokens / len(prompts)
         if loops is not None:
             round_loops.append(loops())
-    per_round = {name: [a / b for a, b in zip(speeds[num], speeds[den])]
-                 for name, (num, den) in INTERLEAVED_RATIOS.items()}
+    per_round = {name: [a / b for a, b in zip(speeds[num], speeds[den])] for name, (num, den) in ratios.items()}
     print(f"[bench spec] interleaved, {reps} rounds: " + "  ".join(
         f"{name} {float(np.median(v)):.2f}" for name, v in per_round.items()), flush=True)
     out = {"reps": reps, "tokens_per_s": speeds, "tau": taus, "mean_tokens": mean_tokens,
            "ratios": {name: float(np.median(v)) for name, v in per_round.items()},
            "ratio_range": {name: [float(min(v)), float(max(v))] for name, v in per_round.items()}}
     if round_loops:
-        proposers = {row[0]: row[3] for row in INTERLEAVED}
+        proposers = {row[0]: row[3] for row in rows}
         out["loops"] = round_loops
-        out["cost_model"] = spec_cost.interleaved_predictions(per_round, INTERLEAVED_RATIOS, proposers, taus,
+        out["cost_model"] = spec_cost.interleaved_predictions(per_round, ratios, proposers, taus,
                                                               mean_tokens, round_loops)
         for name, p in out["cost_model"].items():
             print(f"[bench spec] interleaved cost model {name}: measured x{p['measured']:.2f}  predicted with the "
@@ -202,7 +221,9 @@ def _spec_ratios(rows, temperatures=(1.0, 0.7), k: int = 4) -> dict:
             base = dict(batch=batch, temperature=temperature)
             ar_row = find_row(rows, rule="none", **base)
             std = find_row(rows, rule="standard", proposer="draft", k=k, **base)
-            nsd = find_row(rows, rule="nsd", proposer="draft", nsd_top_p=0.9, k=k, **base)
+            nsd = find_row(rows, rule="nsd", proposer="draft", nsd_top_p=0.9, k=k, draft_temperature_scale=1.0, **base)
+            sharp = find_row(rows, rule="nsd", proposer="draft", nsd_top_p=0.9, k=k,
+                             draft_temperature_scale=SHARP_DRAFT_SCALE, **base)
             key = f"b{batch}_T{temperature}"
             ngram = {}
             for rule in ("standard", "nsd"):
@@ -218,6 +239,10 @@ def _spec_ratios(rows, temperatures=(1.0, 0.7), k: int = 4) -> dict:
                 "nsd0.9_gen_ppl_over_ar": nsd["gen_ppl"] / ar_row["gen_ppl"],
                 "nsd0.9_entropy_over_ar": nsd["entropy"] / ar_row["entropy"],
             }
+            if sharp is not None:
+                out[key].update({"nsd0.9_sharp_over_standard_tau": sharp["tau"] / std["tau"],
+                                 "nsd0.9_sharp_over_standard_tokens_per_s": sharp["tokens_per_s"] / std["tokens_per_s"],
+                                 "nsd0.9_sharp_entropy_over_ar": sharp["entropy"] / ar_row["entropy"]})
     return out
 
 

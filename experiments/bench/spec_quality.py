@@ -9,7 +9,11 @@ reported) with:
 - AR at `QUALITY_TEMPERATURES`: the quality curve, gen PPL against entropy;
 - the standard rule with the draft at T = 1: exact, so it must land on the curve (a check of the
   measure as much as of the rule);
-- NSD with the draft and with the corpus n-gram table at T = 1.
+- NSD with the draft and with the corpus n-gram table at T = 1;
+- NSD with a sharpened draft (`SHARP_DRAFT_SCALE`: the draft samples at T = 0.5) at T = 1, and the
+  standard rule at T = 0.7, whose replies' entropy is about that row's: the sharpened draft buys
+  longer accepted prefixes with a lower entropy, so its speed is compared with the exact rule's at
+  the same entropy too (`experiments.bench.spec.INTERLEAVED`).
 
 Each speculative row's gen PPL is divided by AR's interpolated at its entropy
 (`relf_jax.eval.baselines.ar_ppl_at_entropy`), and NSD's ratio by the standard rule's: the "within
@@ -36,14 +40,23 @@ from relf_jax.methods import Autoregressive, Speculative, parse_proposer
 
 QUALITY_PROMPTS = 256
 QUICK_QUALITY_PROMPTS = 16
-QUALITY_TEMPERATURES = (0.8, 0.9, 1.0, 1.1)
-# (row name, rule, proposer, NSD top-p), all at T = 1
-QUALITY_ROWS = (("standard_draft", "standard", "draft", None), ("nsd0.9_draft", "nsd", "draft", 0.9),
-                ("nsd0.9_ngram", "nsd", "corpus_ngram", 0.9))
+# down to 0.6: the sharpened-draft NSD row's entropy lies below T = 0.8's
+QUALITY_TEMPERATURES = (0.6, 0.7, 0.8, 0.9, 1.0, 1.1)
+# NSD's draft sampling at half the temperature: tau 3.94 -> 4.2-4.35 at scales 0.6-0.4 against the
+# standard rule's 3.43 (cpu-wide, 16 prompts, T = 1; docs/speculative.md)
+SHARP_DRAFT_SCALE = 0.5
+# (row name, rule, proposer, NSD top-p, draft temperature scale, temperature)
+QUALITY_ROWS = (("standard_draft", "standard", "draft", None, 1.0, 1.0),
+                ("nsd0.9_draft", "nsd", "draft", 0.9, 1.0, 1.0),
+                ("nsd0.9_ngram", "nsd", "corpus_ngram", 0.9, 1.0, 1.0),
+                ("nsd0.9_sharp_draft", "nsd", "draft", 0.9, SHARP_DRAFT_SCALE, 1.0),
+                ("standard_draft", "standard", "draft", None, 1.0, 0.7))
 # raw gen-PPL ratios given a bootstrap interval: name -> (row, temperature), (row, temperature)
 BOOTSTRAP_RATIOS = {"standard_over_ar_T1": (("standard_draft", 1.0), ("ar", 1.0)),
                     "nsd0.9_draft_over_standard": (("nsd0.9_draft", 1.0), ("standard_draft", 1.0)),
-                    "nsd0.9_draft_over_ar_T1": (("nsd0.9_draft", 1.0), ("ar", 1.0))}
+                    "nsd0.9_draft_over_ar_T1": (("nsd0.9_draft", 1.0), ("ar", 1.0)),
+                    "nsd0.9_sharp_draft_over_standard_T0.7": (("nsd0.9_sharp_draft", 1.0), ("standard_draft", 0.7)),
+                    "standard_T0.7_over_ar_T0.7": (("standard_draft", 0.7), ("ar", 0.7))}
 
 
 def quality_section(lm, cfg, draft, table, judge, prompts, k: int, max_new: int) -> dict:
@@ -65,9 +78,9 @@ def quality_section(lm, cfg, draft, table, judge, prompts, k: int, max_new: int)
 
     for temperature in QUALITY_TEMPERATURES:
         run("ar", Autoregressive(), temperature)
-    for name, rule, proposer, nsd in QUALITY_ROWS:
-        run(name, Speculative(rule=rule, k=k, nsd_top_p=nsd or 0.9, proposer=parse_proposer(proposer, draft=draft)),
-            1.0)
+    for name, rule, proposer, nsd, scale, temperature in QUALITY_ROWS:
+        run(name, Speculative(rule=rule, k=k, nsd_top_p=nsd or 0.9, draft_temperature_scale=scale,
+                              proposer=parse_proposer(proposer, draft=draft)), temperature)
     return {"num_prompts": len(prompts), "batch": 8, "k": k, "max_new_tokens": max_new, "rows": rows,
             **matched_entropy_ratios(rows), "bootstrap": bootstrap(scores)}
 
@@ -95,14 +108,19 @@ def bootstrap(scores: dict, resamples: int = 2000, seed: int = 0) -> dict:
 
 def matched_entropy_ratios(rows) -> dict:
     """Each non-AR row's gen PPL over the AR sweep's at its entropy (``over_ar_at_entropy``, with
-    the entropy's distance outside the sweep), set on the row; and NSD rows' ratio over the
-    standard rule's (``ratios``)."""
+    the entropy's distance outside the sweep), set on the row; and the other speculative rows'
+    ratio over the standard rule's at T = 1 (``ratios``; a row at another temperature is named
+    with it)."""
     ar = [r for r in rows if r["name"] == "ar"]
     for r in rows:
         if r["name"] != "ar":
             ref, gap = ar_ppl_at_entropy(ar, r["entropy"])
             r["ar_gen_ppl_at_entropy"], r["over_ar_at_entropy"], r["entropy_outside_sweep"] = \
                 ref, r["gen_ppl"] / ref, gap
-    std = next(r for r in rows if r["name"] == "standard_draft")
-    return {"ratios": {f"{r['name']}_over_standard_at_entropy": r["over_ar_at_entropy"] / std["over_ar_at_entropy"]
-                       for r in rows if r["name"] not in ("ar", "standard_draft")}}
+    std = next(r for r in rows if r["name"] == "standard_draft" and r["temperature"] == 1.0)
+
+    def label(r):
+        return r["name"] + ("" if r["temperature"] == 1.0 else f"_T{r['temperature']:g}")
+
+    return {"ratios": {f"{label(r)}_over_standard_at_entropy": r["over_ar_at_entropy"] / std["over_ar_at_entropy"]
+                       for r in rows if r["name"] != "ar" and r is not std}}
