@@ -239,7 +239,8 @@ def test_quality_section_scores_each_rule_against_the_ar_curve_at_its_entropy(mo
 
     def fake_quality(judge, prompts, texts, complete):
         e, scale = map(float, texts[0].split())
-        return {"gen_ppl": scale * math.exp(2 * e), "entropy": e, "reply_words": 10.0, "replies": 3}
+        return {"gen_ppl": scale * math.exp(2 * e), "entropy": e, "pooled_entropy": e + 2.0, "reply_words": 10.0,
+                "replies": 3}
 
     def fake_scores(prompts, texts, complete):  # 10 words a reply at the row's gen PPL
         e, scale = map(float, texts[0].split())
@@ -260,6 +261,8 @@ def test_quality_section_scores_each_rule_against_the_ar_curve_at_its_entropy(mo
                                           "nsd0.9_ngram_over_standard_at_entropy": 1.3,
                                           "nsd0.9_sharp_draft_over_standard_at_entropy": 1.05,
                                           "standard_draft_T0.7_over_standard_at_entropy": 1.0})
+    assert out["ratios_pooled"] == pytest.approx({k.replace("_at_entropy", "_at_pooled"): v
+                                                  for k, v in out["ratios"].items()})
     assert out["bootstrap"]["nsd0.9_sharp_draft_over_standard_T0.7"]["ratio"] == pytest.approx(1.05)
     # raw gen-PPL ratios: NSD 1.1x the standard rule, every resample alike (all replies equal)
     boot = out["bootstrap"]["nsd0.9_draft_over_standard"]
@@ -315,7 +318,7 @@ def test_draft_scale_curve_scores_each_scale_and_times_it_against_the_matched_st
 
     def row(name, t, e, scale=None, factor=1.0):
         return {"name": name, "temperature": t, "draft_temperature_scale": scale, "entropy": e,
-                "gen_ppl": factor * math.exp(2 * e), "tau": 1.0}
+                "pooled_entropy": 2 * e, "gen_ppl": factor * math.exp(2 * e), "tau": 1.0}
 
     rows = [row("ar", t, 2 + t) for t in ss.CURVE_TEMPERATURES]
     rows += [row("standard", 1.0, 3.0), row("nsd0.9", 1.0, 3.0, 1.0, 0.95), row("nsd0.9", 1.0, 2.6, 0.5, 1.1)]
@@ -326,6 +329,8 @@ def test_draft_scale_curve_scores_each_scale_and_times_it_against_the_matched_st
     assert plain["matched_temperature"] == pytest.approx(1.0, abs=1e-3)
     assert sharp["over_standard"] == pytest.approx(1.1)
     assert sharp["over_standard_fitted"] == pytest.approx(1.1, rel=1e-3)
+    assert sharp["over_standard_pooled"] == pytest.approx(1.1)
+    assert sharp["over_standard_pooled_fitted"] == pytest.approx(1.1, rel=1e-3)
     assert sharp["matched_temperature"] == pytest.approx(0.6, abs=1e-3) and sharp["entropy_outside_sweep"] == 0.0
 
     speed = {("standard", 1.0, 1.0): 100.0, ("standard", 0.6, 1.0): 110.0, ("nsd", 1.0, 1.0): 115.0,

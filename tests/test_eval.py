@@ -8,7 +8,14 @@ from flax import nnx
 
 from relf_jax.data.synthetic_chat import SyntheticChat
 from relf_jax.eval.judges import ExactJudge, ModelJudge
-from relf_jax.eval.metrics import distinct_n, generative_perplexity, mean_unigram_entropy, quality, unigram_entropy
+from relf_jax.eval.metrics import (
+    distinct_n,
+    generative_perplexity,
+    mean_unigram_entropy,
+    pooled_unigram_entropy,
+    quality,
+    unigram_entropy,
+)
 
 
 def test_unigram_entropy_and_distinct():
@@ -17,6 +24,27 @@ def test_unigram_entropy_and_distinct():
     assert mean_unigram_entropy([["a", "b"], ["c"] * 3]) == pytest.approx(math.log(2) / 2)
     assert distinct_n([["a", "b", "a", "b"]], 2) == pytest.approx(2 / 3)
     assert distinct_n([["a"]], 2) == 0.0
+
+
+def test_pooled_entropy_ignores_reply_length_and_sees_repeated_replies():
+    """Replies drawn from one 8-word distribution: the per-reply mean grows with reply length (it
+    is at most log of the length), the pooled entropy does not; and ten copies of one reply read
+    as diverse as that reply alone, where ten different replies read more."""
+    rng = np.random.default_rng(0)
+    p = np.array([0.3, 0.2, 0.15, 0.1, 0.1, 0.05, 0.05, 0.05])
+    exact = float(-(p * np.log(p)).sum())
+
+    def replies(length):
+        return [list(rng.choice(8, size=length, p=p)) for _ in range(2000)]
+
+    short, long_ = replies(8), replies(32)
+    assert mean_unigram_entropy(long_) - mean_unigram_entropy(short) > 0.3
+    assert pooled_unigram_entropy(short) == pytest.approx(exact, abs=0.01)
+    assert pooled_unigram_entropy(long_) == pytest.approx(exact, abs=0.01)
+    one = short[0]
+    assert pooled_unigram_entropy([one] * 10) == pytest.approx(unigram_entropy(one))
+    assert pooled_unigram_entropy(short[:10]) > unigram_entropy(one) + 0.1
+    assert math.isnan(pooled_unigram_entropy([[], []]))
 
 
 @pytest.fixture(scope="module")

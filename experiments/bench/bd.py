@@ -135,7 +135,8 @@ class BenchRows:
         if row is None:
             s = run()
             q = evaluate_samples(s, self.judge)
-            row = {**key, "gen_ppl": q["gen_ppl"], "entropy": q["entropy"], "mean_tokens": q["mean_tokens"],
+            row = {**key, "gen_ppl": q["gen_ppl"], "entropy": q["entropy"], "pooled_entropy": q["pooled_entropy"],
+                   "mean_tokens": q["mean_tokens"],
                    "distinct_2": q["distinct_2"], "complete": float(np.mean(s.complete)), "seconds": s.seconds}
             if s.denoise_steps:
                 # committed_per_step: every position of the decoded blocks (the decoder's rate);

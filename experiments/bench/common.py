@@ -77,14 +77,16 @@ def held_out_prompts(cfg, n: int, seed: int = 12345) -> list[str]:
 def reply_quality(judge, prompts: Sequence[str], texts: Sequence[str], complete: Sequence[bool] | None = None) -> dict:
     """Gen PPL of the replies given their prompts under the exact judge (reply words; a reply not
     `complete` is scored as a prefix: it may end where the next turn begins), mean unigram entropy
-    of the replies' words, their mean length in words and their number."""
-    from relf_jax.eval.metrics import mean_unigram_entropy
+    of the replies' words and the entropy of all of them pooled (`pooled_unigram_entropy`), their
+    mean length in words and their number."""
+    from relf_jax.eval.metrics import mean_unigram_entropy, pooled_unigram_entropy
 
     texts = list(texts)
     complete = [False] * len(texts) if complete is None else list(complete)
     logp, n = judge.score_replies(list(prompts), texts, complete)
+    words = [judge.tokenize(t) for t in texts]
     return {"gen_ppl": float(math.exp(-logp.sum() / max(n.sum(), 1))),
-            "entropy": mean_unigram_entropy([judge.tokenize(t) for t in texts]),
+            "entropy": mean_unigram_entropy(words), "pooled_entropy": pooled_unigram_entropy(words),
             "reply_words": float(np.mean([len(t.split()) for t in texts])), "replies": len(texts)}
 
 

@@ -42,7 +42,8 @@ def result_row(samples, judge, *, method, nfe, reflow_rounds, steps, variant, ba
     # all-empty samples (a degenerate model) have no gen PPL: null in the JSON, not NaN
     ppl = q["gen_ppl"] if math.isfinite(q["gen_ppl"]) else None
     return {"method": method, "nfe": nfe, "reflow_rounds": reflow_rounds, "gen_ppl": ppl,
-            "entropy": q["entropy"], "latency_s": samples.seconds / batches, "batch": batch,
+            "entropy": q["entropy"], "pooled_entropy": q["pooled_entropy"], "latency_s": samples.seconds / batches,
+            "batch": batch,
             "train_steps": steps, "variant": variant, "mean_tokens": q["mean_tokens"],
             "distinct_2": q["distinct_2"], **extra}
 

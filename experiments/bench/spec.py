@@ -84,7 +84,7 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
                     table = proposer_inputs(lm, chosen)[1]  # built once, for every row and the profile
                 s = sample(lm, prompts=prompts, sample_cfg=sc, method=chosen, ngram_table=table)
                 q = reply_quality(judge, prompts, s.texts, s.complete)
-                q = {"gen_ppl": q["gen_ppl"], "entropy": q["entropy"]}
+                q = {"gen_ppl": q["gen_ppl"], "entropy": q["entropy"], "pooled_entropy": q["pooled_entropy"]}
                 row = {"method": method if rule == "none" else f"{rule}" + (f"@{nsd}" if nsd else "")
                        + ("" if scale == 1.0 else f"/s{scale:g}"),
                        "rule": rule, "proposer": proposer, "nsd_top_p": nsd, "draft_temperature_scale": scale,

@@ -72,6 +72,7 @@ def quality_section(lm, cfg, draft, table, judge, prompts, k: int, max_new: int)
         q = reply_quality(judge, prompts, s.texts, s.complete)
         scores[(name, temperature)] = judge.score_replies(list(prompts), list(s.texts), list(s.complete))
         rows.append({"name": name, "temperature": temperature, "gen_ppl": q["gen_ppl"], "entropy": q["entropy"],
+                     "pooled_entropy": q["pooled_entropy"],
                      "reply_words": q["reply_words"], "tau": s.tau})
         print(f"[bench spec] quality, {len(prompts)} prompts, T={temperature:g} {name:>14}: gen PPL "
               f"{q['gen_ppl']:7.2f}  entropy {q['entropy']:.3f}  {q['reply_words']:.1f} words", flush=True)
@@ -108,19 +109,29 @@ def bootstrap(scores: dict, resamples: int = 2000, seed: int = 0) -> dict:
 
 def matched_entropy_ratios(rows) -> dict:
     """Each non-AR row's gen PPL over the AR sweep's at its entropy (``over_ar_at_entropy``, with
-    the entropy's distance outside the sweep), set on the row; and the other speculative rows'
-    ratio over the standard rule's at T = 1 (``ratios``; a row at another temperature is named
-    with it)."""
+    the entropy's distance outside the sweep) and at its pooled entropy (``over_ar_at_pooled``,
+    ``pooled_outside_sweep``; `relf_jax.eval.metrics.pooled_unigram_entropy`), set on the row; and
+    the other speculative rows' ratios over the standard rule's at T = 1 (``ratios``, and
+    ``ratios_pooled``; a row at another temperature is named with it)."""
     ar = [r for r in rows if r["name"] == "ar"]
+    pooled = all("pooled_entropy" in r for r in rows)
     for r in rows:
         if r["name"] != "ar":
             ref, gap = ar_ppl_at_entropy(ar, r["entropy"])
             r["ar_gen_ppl_at_entropy"], r["over_ar_at_entropy"], r["entropy_outside_sweep"] = \
                 ref, r["gen_ppl"] / ref, gap
+            if pooled:
+                ref, gap = ar_ppl_at_entropy(ar, r["pooled_entropy"], key="pooled_entropy")
+                r["over_ar_at_pooled"], r["pooled_outside_sweep"] = r["gen_ppl"] / ref, gap
     std = next(r for r in rows if r["name"] == "standard_draft" and r["temperature"] == 1.0)
 
     def label(r):
         return r["name"] + ("" if r["temperature"] == 1.0 else f"_T{r['temperature']:g}")
 
-    return {"ratios": {f"{label(r)}_over_standard_at_entropy": r["over_ar_at_entropy"] / std["over_ar_at_entropy"]
-                       for r in rows if r["name"] != "ar" and r is not std}}
+    others = [r for r in rows if r["name"] != "ar" and r is not std]
+    out = {"ratios": {f"{label(r)}_over_standard_at_entropy": r["over_ar_at_entropy"] / std["over_ar_at_entropy"]
+                      for r in others}}
+    if pooled:
+        out["ratios_pooled"] = {f"{label(r)}_over_standard_at_pooled": r["over_ar_at_pooled"] / std["over_ar_at_pooled"]
+                                for r in others}
+    return out

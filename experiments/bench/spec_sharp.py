@@ -11,11 +11,14 @@ is a gain depends on where the replies land against the target's own quality cur
 - quality, on `QUALITY_PROMPTS` held-out prompts at batch 8 (as `spec_quality`): NSD@0.9 at T = 1
   with the scale, against an AR temperature sweep reaching down to T = 0.5 (the sharpened rows'
   entropy lies below T = 0.8's); each row's gen PPL over AR's at its entropy, interpolated and
-  fitted (`relf_jax.eval.baselines`), and over the standard rule's own ratio at T = 1;
+  fitted (`relf_jax.eval.baselines`), and over the standard rule's own ratio at T = 1. Twice: at
+  the per-reply mean entropy (the project's entropy column) and at the pooled entropy
+  (`relf_jax.eval.metrics.pooled_unigram_entropy`), which does not follow reply length and so
+  places a row on the sweep far more precisely (docs/speculative.md);
 - speed, at batch 1 on 16 prompts, round-robin (`spec.interleaved_timing`): NSD with the scale
   over the standard rule at T = 1 (issue 40's ratio), and over the standard rule at the
-  temperature whose AR entropy matches the NSD row's (the fitted sweep's temperature, to 0.05):
-  the exact rule made as sharp, so the speed each buys at the same entropy.
+  temperature whose AR pooled entropy matches the NSD row's (the fitted sweep's temperature, to
+  0.05): the exact rule made as sharp, so the speed each buys at the same entropy.
 """
 
 from __future__ import annotations
@@ -42,11 +45,12 @@ def _quality_rows(lm, cfg, draft, judge, prompts, k: int, max_new: int, scales) 
         s = sample(lm, prompts=prompts, sample_cfg=sc, method=method)
         q = reply_quality(judge, prompts, s.texts, s.complete)
         rows.append({"name": name, "temperature": temperature, "draft_temperature_scale": scale,
-                     "gen_ppl": q["gen_ppl"], "entropy": q["entropy"], "reply_words": q["reply_words"],
+                     "gen_ppl": q["gen_ppl"], "entropy": q["entropy"], "pooled_entropy": q["pooled_entropy"],
+                     "reply_words": q["reply_words"],
                      "tau": s.tau})
         print(f"[bench spec sharp] quality, {len(prompts)} prompts, T={temperature:g} {name:>10}"
               f"{'' if scale is None else f' s={scale:g}'}: gen PPL {q['gen_ppl']:7.2f}  entropy "
-              f"{q['entropy']:.3f}  tau {s.tau:.2f}", flush=True)
+              f"{q['entropy']:.3f}  pooled {q['pooled_entropy']:.3f}  tau {s.tau:.2f}", flush=True)
 
     for temperature in CURVE_TEMPERATURES:
         run("ar", Autoregressive(), temperature)
@@ -59,22 +63,29 @@ def _quality_rows(lm, cfg, draft, judge, prompts, k: int, max_new: int, scales) 
 
 def score_against_sweep(rows: list[dict]) -> list[dict]:
     """Each speculative row of `rows` (`_quality_rows`) with its gen PPL over the AR sweep's at its
-    entropy, interpolated (``over_ar``, ``entropy_outside_sweep``) and fitted (``over_ar_fitted``,
-    ``matched_temperature``: the sweep's temperature at that entropy), and both over the standard
-    rule's (``over_standard``, ``over_standard_fitted``)."""
+    entropy, interpolated (``over_ar``, ``entropy_outside_sweep``) and fitted (``over_ar_fitted``),
+    the same at its pooled entropy (``over_ar_pooled``, ``pooled_outside_sweep``,
+    ``over_ar_pooled_fitted``, ``matched_temperature``: the sweep's temperature at that pooled
+    entropy), and each over the standard rule's (``over_standard``, ``over_standard_fitted``,
+    ``over_standard_pooled``, ``over_standard_pooled_fitted``)."""
     ar = [r for r in rows if r["name"] == "ar"]
     spec_rows = [r for r in rows if r["name"] != "ar"]
     for r in spec_rows:
         ref, gap = ar_ppl_at_entropy(ar, r["entropy"])
         r["over_ar"], r["entropy_outside_sweep"] = r["gen_ppl"] / ref, gap
+        ref, gap = ar_ppl_at_entropy(ar, r["pooled_entropy"], key="pooled_entropy")
+        r["over_ar_pooled"], r["pooled_outside_sweep"] = r["gen_ppl"] / ref, gap
         fit = ar_ppl_at_entropy_fitted(ar, r["entropy"])
         if fit is not None:
-            r["over_ar_fitted"], r["fitted_gap"], r["matched_temperature"] = r["gen_ppl"] / fit[0], fit[1], fit[2]
+            r["over_ar_fitted"] = r["gen_ppl"] / fit[0]
+        fit = ar_ppl_at_entropy_fitted(ar, r["pooled_entropy"], key="pooled_entropy")
+        if fit is not None:
+            r["over_ar_pooled_fitted"], r["matched_temperature"] = r["gen_ppl"] / fit[0], fit[2]
     std = next(r for r in spec_rows if r["name"] == "standard")
     for r in spec_rows:
-        r["over_standard"] = r["over_ar"] / std["over_ar"]
-        if "over_ar_fitted" in r and "over_ar_fitted" in std:
-            r["over_standard_fitted"] = r["over_ar_fitted"] / std["over_ar_fitted"]
+        for read in ("", "_fitted", "_pooled", "_pooled_fitted"):
+            if f"over_ar{read}" in r and f"over_ar{read}" in std:
+                r[f"over_standard{read}"] = r[f"over_ar{read}"] / std[f"over_ar{read}"]
     return rows
 
 
@@ -122,8 +133,10 @@ def draft_scale_curve(out: str, workdir: str = "runs/bench_spec_cpu-wide", scale
     for r in scored:
         if r["name"] == "nsd0.9":
             s = r["draft_temperature_scale"]
-            print(f"[bench spec sharp] s={s:g}: entropy {r['entropy']:.3f}, gen PPL over the standard rule's at "
-                  f"matched entropy {r['over_standard']:.3f} (fitted {r.get('over_standard_fitted', float('nan')):.3f})"
+            print(f"[bench spec sharp] s={s:g}: entropy {r['entropy']:.3f} (pooled {r['pooled_entropy']:.3f}), gen PPL "
+                  f"over the standard rule's at matched entropy {r['over_standard']:.3f} (fitted "
+                  f"{r.get('over_standard_fitted', float('nan')):.3f}), at matched pooled entropy "
+                  f"{r['over_standard_pooled']:.3f} (fitted {r.get('over_standard_pooled_fitted', float('nan')):.3f})"
                   f"; tokens/s over standard at T = 1 x{speed['ratios'][f'nsd0.9_s{s:g}_over_standard_T1']:.2f}, "
                   f"at T = {speed['matched_temperature'][f'{s:g}']:g} "
                   f"x{speed['ratios'][f'nsd0.9_s{s:g}_over_standard_matched']:.2f}", flush=True)

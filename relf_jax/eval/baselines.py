@@ -34,11 +34,11 @@ def positional_unigram_samples(builder, tok, n: int, length: int, *, docs: int =
     return samples_from_rows(tok, positional_unigram_rows(builder, tok, n, length, docs=docs, seed=seed))
 
 
-def ar_ppl_at_entropy(ar_rows: Sequence[dict], entropy: float) -> tuple[float, float]:
+def ar_ppl_at_entropy(ar_rows: Sequence[dict], entropy: float, key: str = "entropy") -> tuple[float, float]:
     """AR gen PPL at `entropy` by linear interpolation of log gen PPL over the AR sweep (rows with
-    ``entropy`` and ``gen_ppl``), and the distance (nats) from `entropy` to the nearest AR point
-    (0 inside the swept range)."""
-    pts = sorted((r["entropy"], math.log(r["gen_ppl"])) for r in ar_rows if r["gen_ppl"])
+    `key` (``entropy``, or ``pooled_entropy``) and ``gen_ppl``), and the distance (nats) from
+    `entropy` to the nearest AR point (0 inside the swept range)."""
+    pts = sorted((r[key], math.log(r["gen_ppl"])) for r in ar_rows if r["gen_ppl"])
     xs, ys = [p[0] for p in pts], [p[1] for p in pts]
     if entropy <= xs[0]:
         return math.exp(ys[0]), xs[0] - entropy
@@ -48,19 +48,19 @@ def ar_ppl_at_entropy(ar_rows: Sequence[dict], entropy: float) -> tuple[float, f
 
 
 def ar_ppl_at_entropy_fitted(ar_rows: Sequence[dict], entropy: float, degree: int = 2,
-                             grid: int = 2001) -> tuple[float, float, float] | None:
+                             grid: int = 2001, key: str = "entropy") -> tuple[float, float, float] | None:
     """AR gen PPL at `entropy` read off smooth fits of the sweep: entropy and log gen PPL each a
     least-squares polynomial of degree `degree` in the temperature (rows with ``temperature``,
-    ``entropy`` and ``gen_ppl``), solved for the temperature whose fitted entropy is `entropy`.
-    Returns (gen PPL, the entropy's distance outside the fitted range, that temperature), or None
-    for a sweep of fewer than degree + 2 temperatures.
+    `key` (``entropy`` or ``pooled_entropy``) and ``gen_ppl``), solved for the temperature whose
+    fitted entropy is `entropy`. Returns (gen PPL, the entropy's distance outside the fitted
+    range, that temperature), or None for a sweep of fewer than degree + 2 temperatures.
 
     Why next to `ar_ppl_at_entropy`: one sweep row's entropy carries sampling noise comparable to
     the step between neighbouring temperatures (the `cpu` preset at 600 steps: T = 0.8 and 0.9 both
     at 3.24-3.25 nats with gen PPL 110 and 181), so a line through the two points nearest a
     ReLF row's entropy can move the read-off by tens of percent; a fit over the whole sweep
     averages that noise out."""
-    pts = sorted((r["temperature"], r["entropy"], math.log(r["gen_ppl"])) for r in ar_rows
+    pts = sorted((r["temperature"], r[key], math.log(r["gen_ppl"])) for r in ar_rows
                  if r.get("gen_ppl") and r.get("temperature") is not None)
     if len({p[0] for p in pts}) < degree + 2:
         return None
