@@ -249,6 +249,14 @@ def test_core_targets_over_budgets():
     assert m["ar_gen_ppl_fitted"] == pytest.approx(200.0, rel=1e-3)
     assert m["ratio_fitted"] == pytest.approx(2.0, rel=1e-3)
     assert m["ar_temperature_fitted"] == pytest.approx(0.9, abs=1e-3)
+    assert "ratio_pooled" not in m  # rows without a pooled entropy
+    # the pooled read-off: the ReLF row's pooled entropy sits at T = 0.8's (its per-sample one at 0.9's)
+    for r in rows:
+        r["pooled_entropy"] = 4.0 if r["variant"] == "relf" else 4.0 + (r.get("temperature", 0.8) - 0.8)
+    m = core_targets(rows, {}, (600,))["steps600_relf_stochastic64_vs_ar_at_matched_entropy"]
+    assert m["ratio"] == pytest.approx(2.0) and m["ratio_pooled"] == pytest.approx(4.0)
+    assert m["ratio_pooled_fitted"] == pytest.approx(4.0, rel=1e-3)
+    assert m["ar_temperature_pooled_fitted"] == pytest.approx(0.8, abs=1e-3)
     rows = _core_rows()
     rows[-1]["gen_ppl"] = 450.0
     assert core_targets(rows, {}, (600, 1200))["gen_ppl_falls_with_budget"] == {"relf_stochastic64": False}
@@ -383,3 +391,36 @@ def test_the_ar_sweep_goes_on_up_until_it_passes_the_relf_rows_entropy(monkeypat
     assert len(measured) == 3
     run.extend_ar_sweep(1200, entropy=9.0, tokens=2048.0, top=1.5)  # stops at the top temperature
     assert [t for t, _ in measured] == [1.2, 1.3, 1.4, 1.5]
+
+
+def test_entropy_probe_reads_each_model_four_ways(monkeypatch, tmp_path):
+    """`relf_core.entropy_probe` with the models and samplers faked: AR's samples are short at low
+    T, ReLF's long and repetitive; every row carries the four read-offs and the file is written."""
+    import json
+    import types
+
+    import numpy as np
+
+    import experiments.bench.relf_core as core
+    from relf_jax.config import Config
+
+    def samples(texts):
+        return types.SimpleNamespace(texts=texts, complete=[True] * len(texts))
+
+    judge = types.SimpleNamespace(tokenize=str.split, score=lambda texts, complete: (
+        np.array([-float(len(t.split())) for t in texts]), np.array([float(len(t.split())) for t in texts])))
+    monkeypatch.setattr(core, "load_model", lambda path, family: types.SimpleNamespace(
+        cfg=types.SimpleNamespace(sample=Config().sample, data=types.SimpleNamespace(seq_len=64))))
+    monkeypatch.setattr(core, "exact_judge", lambda cfg: judge)
+    monkeypatch.setattr(core, "sample", lambda lm, n, sample_cfg: samples(
+        [" ".join(f"w{i}" for i in range(int(10 * sample_cfg.temperature)))] * n))
+    monkeypatch.setattr(core, "sample_relf", lambda lm, n, nfe, sampler: samples(["a b a b a b a b a b a b"] * n))
+    out = tmp_path / "probe.json"
+    rows = core.entropy_probe(str(out), "ar", "relf", temperatures=(0.8, 1.2), n=4, prefix_lengths=(8,))
+    assert [r["name"] for r in rows] == ["ar T=0.8", "ar T=1.2", "relf stochastic 64"]
+    ar08, ar12, relf = rows
+    assert ar08["entropy"] == pytest.approx(math.log(8)) and ar12["entropy"] == pytest.approx(math.log(12))
+    assert ar08["entropy_first8"] == ar12["entropy_first8"] == pytest.approx(math.log(8))
+    assert relf["pooled_entropy"] == pytest.approx(math.log(2)) and relf["share_first8"] == 1.0
+    assert relf["gen_ppl"] == pytest.approx(math.e) and relf["mean_words"] == 12
+    assert json.loads(out.read_text())["rows"] == rows

@@ -13,6 +13,7 @@ from relf_jax.eval.metrics import (
     generative_perplexity,
     mean_unigram_entropy,
     pooled_unigram_entropy,
+    prefix_unigram_entropy,
     quality,
     unigram_entropy,
 )
@@ -45,6 +46,12 @@ def test_pooled_entropy_ignores_reply_length_and_sees_repeated_replies():
     assert pooled_unigram_entropy([one] * 10) == pytest.approx(unigram_entropy(one))
     assert pooled_unigram_entropy(short[:10]) > unigram_entropy(one) + 0.1
     assert math.isnan(pooled_unigram_entropy([[], []]))
+    # at one length the per-sample entropy no longer follows the samples' lengths
+    e8, share = prefix_unigram_entropy(short + long_, 8)
+    assert share == 1.0 and e8 == pytest.approx(mean_unigram_entropy(short), abs=0.02)
+    e32, share = prefix_unigram_entropy(short + long_, 32)
+    assert share == 0.5 and e32 == pytest.approx(mean_unigram_entropy(long_))
+    assert math.isnan(prefix_unigram_entropy([["a"]], 2)[0])
 
 
 @pytest.fixture(scope="module")

@@ -191,8 +191,10 @@ class CoreRun:
 def core_targets(rows: Sequence[dict], tokens: dict, budgets: Sequence[int]) -> dict:
     """Per budget (keys ``steps{N}_...``): each ReLF row's gen PPL over AR's at its entropy (the AR
     sweep of the same budget, interpolated between neighbouring points, and read off quadratic fits
-    in temperature, ``ratio_fitted``: `ar_ppl_at_entropy_fitted`) and over the positional
-    unigram's (the reference row);
+    in temperature, ``ratio_fitted``: `ar_ppl_at_entropy_fitted`; where the rows carry it, the
+    same two read-offs at the pooled entropy, ``ratio_pooled`` / ``ratio_pooled_fitted``:
+    `relf_jax.eval.metrics.pooled_unigram_entropy`, which does not grow with sample length) and
+    over the positional unigram's (the reference row);
     across budgets, per ReLF row kind: its gen PPL, entropy and ratio by budget and whether gen
     PPL falls from each budget to the next."""
     tgt = {"text_tokens_per_step": tokens, "optimizer_steps": list(budgets)}
@@ -216,6 +218,13 @@ def core_targets(rows: Sequence[dict], tokens: dict, budgets: Sequence[int]) -> 
                 "ar_gen_ppl_fitted": fitted[0], "ar_temperature_fitted": fitted[2],
                 "entropy_outside_fitted_sweep_nats": fitted[1], "ratio_fitted": ratio(r["gen_ppl"], fitted[0]),
                 "target": "<= 1.5 (paper: <= 1.0)" if r["variant"] == "relf" and r["nfe"] == 64 else None}
+            if "pooled_entropy" in r and all("pooled_entropy" in a for a in ar_rows):
+                ppl_p, gap_p = ar_ppl_at_entropy(ar_rows, r["pooled_entropy"], key="pooled_entropy")
+                fit_p = ar_ppl_at_entropy_fitted(ar_rows, r["pooled_entropy"], key="pooled_entropy") or (None,) * 3
+                tgt[f"steps{steps}_{name}_vs_ar_at_matched_entropy"].update(
+                    relf_pooled_entropy=r["pooled_entropy"], ar_gen_ppl_at_pooled=ppl_p,
+                    pooled_outside_ar_sweep_nats=gap_p, ratio_pooled=ratio(r["gen_ppl"], ppl_p),
+                    ar_temperature_pooled_fitted=fit_p[2], ratio_pooled_fitted=ratio(r["gen_ppl"], fit_p[0]))
             curves.setdefault(name, {})[str(steps)] = {"gen_ppl": r["gen_ppl"], "entropy": r["entropy"],
                                                        "ratio_vs_ar": ratio(r["gen_ppl"], ppl),
                                                        "ratio_vs_ar_fitted": ratio(r["gen_ppl"], fitted[0])}
@@ -287,3 +296,41 @@ def budget_plot(rows: Sequence[dict], budgets: Sequence[int], path: str, extra: 
     fig.tight_layout()
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
+
+
+def entropy_probe(out: str, ar_dir: str, relf_dir: str, temperatures: Sequence[float] = (0.8, 1.0, 1.2, 1.4),
+                  n: int = 256, prefix_lengths: Sequence[int] = (16, 32)) -> list[dict]:
+    """The core bench's AR model (run folder `ar_dir`) at `temperatures` and its default ReLF-64
+    (`relf_dir`), `n` samples each, read four ways: gen PPL, the per-sample mean unigram entropy
+    (the entropy column), the pooled entropy, and the per-sample entropy of the first k words
+    (`prefix_unigram_entropy`, k in `prefix_lengths`, with the share of samples that long): which
+    AR temperature matches ReLF's diversity once sample length is taken out."""
+    from relf_jax.eval.metrics import (
+        generative_perplexity,
+        mean_unigram_entropy,
+        pooled_unigram_entropy,
+        prefix_unigram_entropy,
+    )
+
+    ar, relf = load_model(ar_dir, "ar"), load_model(relf_dir, "relf")
+    judge = exact_judge(ar.cfg)
+    rows = []
+
+    def read(name, s):
+        words = [judge.tokenize(t) for t in s.texts]
+        row = {"name": name, "gen_ppl": generative_perplexity(judge, s.texts, s.complete),
+               "entropy": mean_unigram_entropy(words), "pooled_entropy": pooled_unigram_entropy(words),
+               "mean_words": sum(map(len, words)) / max(len(words), 1)}
+        for k in prefix_lengths:
+            row[f"entropy_first{k}"], row[f"share_first{k}"] = prefix_unigram_entropy(words, k)
+        rows.append(row)
+        print(f"[bench relf core] entropy probe {name:>20}: gen PPL {row['gen_ppl']:8.2f}  entropy "
+              f"{row['entropy']:.3f}  pooled {row['pooled_entropy']:.3f}  " + "  ".join(
+                  f"first {k} {row[f'entropy_first{k}']:.3f}" for k in prefix_lengths), flush=True)
+
+    for t in temperatures:
+        read(f"ar T={t:g}", sample(ar, n=n, sample_cfg=dataclasses.replace(
+            ar.cfg.sample, temperature=t, top_k=0, top_p=1.0, max_new_tokens=ar.cfg.data.seq_len - 1, num_samples=n)))
+    read("relf stochastic 64", sample_relf(relf, n, nfe=64, sampler="stochastic"))
+    write_json(out, {"ar_dir": ar_dir, "relf_dir": relf_dir, "num_samples": n, "rows": rows})
+    return rows

@@ -53,6 +53,15 @@ def pooled_unigram_entropy(samples: Sequence[Sequence]) -> float:
     return unigram_entropy(tokens) if tokens else float("nan")
 
 
+def prefix_unigram_entropy(samples: Sequence[Sequence], k: int) -> tuple[float, float]:
+    """(mean unigram entropy of the first `k` tokens of the samples at least `k` long, the share of
+    samples that long): the per-sample entropy at one length, so samples of different lengths
+    compare."""
+    long_ = [s[:k] for s in samples if len(s) >= k]
+    share = len(long_) / len(samples) if samples else 0.0
+    return (float(np.mean([unigram_entropy(s) for s in long_])) if long_ else float("nan")), share
+
+
 def distinct_n(samples: Sequence[Sequence], n: int) -> float:
     """Unique n-grams / all n-grams over all samples (0 when there are none)."""
     grams = [tuple(s[i:i + n]) for s in samples for i in range(len(s) - n + 1)]
