@@ -144,7 +144,8 @@ def bench_spec(out: str, quick: bool = False, workdir: str | None = None, overri
 
 # the rows the targets compare, timed again interleaved: (name, batch, rule, proposer, nsd_top_p,
 # the draft's temperature scale, temperature). The standard rule at T = 0.7 is the exact rule at
-# about the sharpened NSD row's entropy (`spec_quality` measures both on 256 prompts)
+# about the sharpened NSD row's per-reply entropy (`spec_quality` measures both on 256 prompts; at
+# the pooled entropy the match is T = 0.6, `spec_sharp`)
 INTERLEAVED = (("ar_b1", 1, "none", "-", None, 1.0, 1.0), ("standard_draft_b1", 1, "standard", "draft", None, 1.0, 1.0),
                ("nsd0.9_draft_b1", 1, "nsd", "draft", 0.9, 1.0, 1.0),
                ("nsd0.9_ngram_b1", 1, "nsd", "corpus_ngram", 0.9, 1.0, 1.0),
