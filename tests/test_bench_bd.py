@@ -37,6 +37,12 @@ def test_targets_match_entropy_and_budget():
     out = targets(rows + [low], (600, 1200))
     assert out["steps600"]["headline"]["ratio"] == pytest.approx(120 / math.sqrt(5000))
     assert out["steps600"]["lower_thresholds_t1"]["bd T=1 thr=0.5"]["committed_per_step"] == 3.0
+    assert "ratio_pooled" not in out["steps600"]["headline"]
+    # with pooled entropies (AR's 5.0 + T, the BD row's at T = 0.6's): read off at AR's T = 0.6
+    for r in rows:
+        r["pooled_entropy"] = 5.0 + r["temperature"] if r["variant"] == "ar" else 5.6
+    head = targets(rows, (600,))["steps600"]["headline"]
+    assert head["ratio_pooled"] == pytest.approx(120 / 50.0) and head["pooled_outside_ar_sweep_nats"] == 0
 
 
 def test_plot_writes_a_png(tmp_path):

@@ -206,6 +206,11 @@ def targets(rows: Sequence[dict], budgets: Sequence[int]) -> dict:
                                 "entropy_outside_ar_sweep_nats": gap, "ratio": r["gen_ppl"] / ppl,
                                 "committed_per_step": r.get("committed_per_step"),
                                 "tokens_per_step": r.get("tokens_per_step")}
+            if "pooled_entropy" in r and all("pooled_entropy" in a for a in ar):
+                # the read-off at the pooled entropy, which does not grow with sample length
+                ppl_p, gap_p = ar_ppl_at_entropy(ar, r["pooled_entropy"], key="pooled_entropy")
+                per[r["method"]].update(pooled_entropy=r["pooled_entropy"], ar_gen_ppl_at_pooled=ppl_p,
+                                        pooled_outside_ar_sweep_nats=gap_p, ratio_pooled=r["gen_ppl"] / ppl_p)
         best = min(per.values(), key=lambda x: (x["entropy_outside_ar_sweep_nats"] > 0, x["ratio"]))
         out[f"steps{steps}"] = {
             "rows": per, "headline": best,
