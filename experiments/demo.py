@@ -40,6 +40,7 @@ def _row(method: str, nfe, q: dict, *, tokens_per_s="quality", **extra) -> dict:
     """One table row from a quality report `q` (`evaluate_samples`); `extra` (e.g. tau)
     goes after tokens/s."""
     return {"method": method, "nfe": nfe, "gen_ppl": q["gen_ppl"], "entropy": q["entropy"],
+            "pooled_entropy": q.get("pooled_entropy"),
             "tokens_per_s": q["tokens_per_s"] if tokens_per_s == "quality" else tokens_per_s, **extra,
             "distinct_2": q["distinct_2"], "mean_tokens": q["mean_tokens"]}
 
@@ -234,11 +235,12 @@ def _fmt(v, digits: int = 1) -> str:
     return str(v)
 
 
-COLUMNS = ("method", "nfe", "gen_ppl", "entropy", "tokens_per_s")
+COLUMNS = ("method", "nfe", "gen_ppl", "entropy", "pooled_entropy", "tokens_per_s")
+_TWO_DECIMALS = ("gen_ppl", "entropy", "pooled_entropy")
 
 
 def render_table(rows: list[dict]) -> str:
-    cells = [[_fmt(r.get(c), 2 if c in ("gen_ppl", "entropy") else 1) for c in COLUMNS] for r in rows]
+    cells = [[_fmt(r.get(c), 2 if c in _TWO_DECIMALS else 1) for c in COLUMNS] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(COLUMNS)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths))]
     lines.append("  ".join("-" * w for w in widths))
@@ -248,12 +250,13 @@ def render_table(rows: list[dict]) -> str:
 
 def render_markdown(report: dict) -> str:
     head = "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
-    body = "".join("| " + " | ".join(_fmt(r.get(c), 2 if c in ("gen_ppl", "entropy") else 1) for c in COLUMNS)
+    body = "".join("| " + " | ".join(_fmt(r.get(c), 2 if c in _TWO_DECIMALS else 1) for c in COLUMNS)
                    + " |\n" for r in report["rows"])
     t = report["train"]
     ex = "\n".join(f"- `{e[:300]}`" for e in report["examples"])
     return (f"# relf-jax demo ({report['preset']})\n\nQuality is a pair: generative perplexity under the "
-            f"{report['judge']} and mean per-sample unigram entropy (nats). NFE = target forward passes per "
+            f"{report['judge']} and mean per-sample unigram entropy (nats; it grows with sample length, so the "
+            f"pooled entropy of all samples' words is shown next to it, docs/relf.md). NFE = target forward passes per "
             f"sample (AR: one per token; speculative: one per draft/verify round; ReLF: network calls for the "
             f"whole sequence, trained on a fifth of the AR budget; block diffusion: denoising steps plus one "
             f"cache refresh per block, trained on a quarter of the AR budget).\n\n"

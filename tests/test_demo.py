@@ -44,7 +44,7 @@ def test_demo_quick_writes_report_and_reuses_its_cache(tmp_path, capsys):
     assert [r["round"] for r in reflow] == [1, 2]
     for row in report["rows"]:
         assert set(row) >= {"method", "nfe", "gen_ppl", "entropy", "tokens_per_s"}
-        assert row["gen_ppl"] > 1 and row["entropy"] > 0
+        assert row["gen_ppl"] > 1 and row["entropy"] > 0 and row["pooled_entropy"] > 0
     # the exact judge rates held-out data better than an undertrained tiny model's samples
     data = report["rows"][0]
     assert all(r["gen_ppl"] > data["gen_ppl"] for r in report["rows"][1:])
