@@ -15,6 +15,7 @@ A field left None takes the model's own setting (its run config: ``sample.*``, `
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
@@ -166,7 +167,7 @@ class Speculative:
                f"got {self.proposer!r}")
         _check(0 < self.nsd_top_p <= 1, f"Speculative.nsd_top_p must be in (0, 1], got {self.nsd_top_p}")
         scale = self.draft_temperature_scale
-        _check(isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0,
+        _check(isinstance(scale, numbers.Real) and not isinstance(scale, bool) and scale > 0,
                f"Speculative.draft_temperature_scale must be a number > 0, got {scale!r}")
 
     @property

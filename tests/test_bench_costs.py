@@ -344,7 +344,7 @@ def test_draft_scale_curve_scores_each_scale_and_times_it_against_the_matched_st
         return types.SimpleNamespace(tokens_per_s=speed[key], tau=2.0, tokens=40)
 
     monkeypatch.setattr(recipes, "sample", fake_sample)
-    out = ss._speed(None, Config(), None, ["p"], 4, 8, scored, reps=2)
+    out = ss.speed_against_standard(None, Config(), None, ["p"], 4, 8, scored, reps=2)
     assert sorted(set(calls)) == sorted(speed)  # the standard rule at T = 1 once, though s = 1 matches it
     assert out["matched_temperature"] == {"1": 1.0, "0.5": 0.6}
     assert out["ratios"] == pytest.approx({"nsd0.9_s1_over_standard_T1": 1.15, "nsd0.9_s1_over_standard_matched": 1.15,

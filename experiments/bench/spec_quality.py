@@ -11,7 +11,8 @@ reported) with:
   measure as much as of the rule);
 - NSD with the draft and with the corpus n-gram table at T = 1;
 - NSD with a sharpened draft (`SHARP_DRAFT_SCALE`: the draft samples at T = 0.5) at T = 1, and the
-  standard rule at T = 0.7, whose replies' entropy is about that row's: the sharpened draft buys
+  standard rule at T = 0.7, whose replies' per-reply entropy is about that row's (the pooled one
+  matches at T = 0.6, `experiments.bench.spec_sharp`): the sharpened draft buys
   longer accepted prefixes with a lower entropy, so its speed is compared with the exact rule's at
   the same entropy too (`experiments.bench.spec.INTERLEAVED`).
 

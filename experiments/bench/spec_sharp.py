@@ -89,7 +89,7 @@ def score_against_sweep(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def _speed(lm, cfg, draft, prompts, k: int, max_new: int, scored: list[dict], reps: int) -> dict:
+def speed_against_standard(lm, cfg, draft, prompts, k: int, max_new: int, scored: list[dict], reps: int) -> dict:
     """Round-robin batch-1 rows: the standard rule at T = 1, NSD at each scale, and the standard rule
     at each scale's matched temperature (to 0.05); the two ratios per scale."""
     rows = [("standard_T1", 1, "standard", "draft", None, 1.0, 1.0)]
@@ -126,7 +126,7 @@ def draft_scale_curve(out: str, workdir: str = "runs/bench_spec_cpu-wide", scale
     scored = score_against_sweep(_quality_rows(
         lm, cfg, draft, judge, held_out_prompts(cfg, quality_prompts or QUALITY_PROMPTS, seed=54321), k, max_new,
         scales))
-    speed = _speed(lm, cfg, draft, held_out_prompts(cfg, 16), k, max_new, scored, reps)
+    speed = speed_against_standard(lm, cfg, draft, held_out_prompts(cfg, 16), k, max_new, scored, reps)
     report = {"preset": "cpu-wide", "k": k, "max_new_tokens": max_new, "draft_distill_steps": draft.step,
               "quality": scored, "speed": speed}
     write_json(out, report)

@@ -4,6 +4,7 @@ small helpers its round and its proposers share."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import flax.struct
 import jax
@@ -93,7 +94,7 @@ class SpecParams:
 
 def check_draft_temperature_scale(scale) -> None:
     """A clear error unless the draft's temperature scale is a number > 0."""
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not scale > 0:
         raise UserError(f"draft_temperature_scale must be a number > 0, got {scale!r}")
 
 
