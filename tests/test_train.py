@@ -147,6 +147,11 @@ def test_a_model_field_added_later_reads_as_it_was_then():
     assert model_settings_changed({k: v for k, v in ar_now.items() if k != "flow_embed_head"}, ar_now) == []
     assert model_settings_changed({**ar_now, "flow_embed_head": False}, ar_now) == []
     assert model_settings_changed({**ar_now, "mlp_dim": 1}, ar_now) == [("mlp_dim", 1, ar_now["mlp_dim"])]
+    # a field this version does not know (a patched model's) is a clear error, not a TypeError
+    from relf_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="flow_final_norm"):
+        saved_model_config({**relf_now, "flow_final_norm": False})
 
 
 def _one_device_mesh():

@@ -417,7 +417,13 @@ SAVED_WITHOUT = {"flow_embed_head": False}
 
 def saved_model_config(d: dict[str, Any]) -> "ModelConfig":
     """The `ModelConfig` a checkpoint's saved model fields describe (`SAVED_WITHOUT` fills a field
-    it predates)."""
+    it predates). A field this version does not know (a checkpoint written by another version or
+    a patched model) is a `ConfigError` naming it."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConfigError(f"the checkpoint's model config has fields this relf_jax does not know: "
+                          f"{', '.join(unknown)} (written by another version or a patched model)")
     return ModelConfig(**{**SAVED_WITHOUT, **d})
 
 
