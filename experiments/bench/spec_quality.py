@@ -60,23 +60,31 @@ BOOTSTRAP_RATIOS = {"standard_over_ar_T1": (("standard_draft", 1.0), ("ar", 1.0)
                     "standard_T0.7_over_ar_T0.7": (("standard_draft", 0.7), ("ar", 0.7))}
 
 
-def quality_section(lm, cfg, draft, table, judge, prompts, k: int, max_new: int) -> dict:
-    """The AR sweep and `QUALITY_ROWS` on `prompts` at batch 8; see the module docstring."""
+def quality_row(lm, cfg, judge, prompts, name: str, method, temperature: float, max_new: int, table=None):
+    """(row, samples): `method`'s replies to `prompts` at batch 8 (seed 1), judged: gen PPL, the
+    per-reply and pooled entropy, reply words and tau, with `name` and `temperature`."""
     from relf_jax.speculative.recipes import sample
 
+    sc = dataclasses.replace(cfg.sample, batch_size=8, max_new_tokens=max_new, temperature=temperature, top_k=0,
+                             top_p=1.0, seed=1)
+    s = sample(lm, prompts=prompts, sample_cfg=sc, method=method, ngram_table=table)
+    q = reply_quality(judge, prompts, s.texts, s.complete)
+    row = {"name": name, "temperature": temperature, "gen_ppl": q["gen_ppl"], "entropy": q["entropy"],
+           "pooled_entropy": q["pooled_entropy"], "reply_words": q["reply_words"], "tau": s.tau}
+    print(f"[bench spec] quality, {len(prompts)} prompts, T={temperature:g} {name:>18}: gen PPL "
+          f"{q['gen_ppl']:7.2f}  entropy {q['entropy']:.3f}  pooled {q['pooled_entropy']:.3f}  "
+          f"{q['reply_words']:.1f} words  tau {s.tau:.2f}", flush=True)
+    return row, s
+
+
+def quality_section(lm, cfg, draft, table, judge, prompts, k: int, max_new: int) -> dict:
+    """The AR sweep and `QUALITY_ROWS` on `prompts` at batch 8; see the module docstring."""
     rows, scores = [], {}
 
     def run(name, method, temperature):
-        sc = dataclasses.replace(cfg.sample, batch_size=8, max_new_tokens=max_new, temperature=temperature,
-                                 top_k=0, top_p=1.0, seed=1)
-        s = sample(lm, prompts=prompts, sample_cfg=sc, method=method, ngram_table=table)
-        q = reply_quality(judge, prompts, s.texts, s.complete)
+        row, s = quality_row(lm, cfg, judge, prompts, name, method, temperature, max_new, table)
         scores[(name, temperature)] = judge.score_replies(list(prompts), list(s.texts), list(s.complete))
-        rows.append({"name": name, "temperature": temperature, "gen_ppl": q["gen_ppl"], "entropy": q["entropy"],
-                     "pooled_entropy": q["pooled_entropy"],
-                     "reply_words": q["reply_words"], "tau": s.tau})
-        print(f"[bench spec] quality, {len(prompts)} prompts, T={temperature:g} {name:>14}: gen PPL "
-              f"{q['gen_ppl']:7.2f}  entropy {q['entropy']:.3f}  {q['reply_words']:.1f} words", flush=True)
+        rows.append(row)
 
     for temperature in QUALITY_TEMPERATURES:
         run("ar", Autoregressive(), temperature)

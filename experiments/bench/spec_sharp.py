@@ -23,10 +23,8 @@ is a gain depends on where the replies land against the target's own quality cur
 
 from __future__ import annotations
 
-import dataclasses
-
-from experiments.bench.common import reply_quality
 from experiments.bench.spec import interleaved_timing
+from experiments.bench.spec_quality import quality_row
 from relf_jax.eval.baselines import ar_ppl_at_entropy, ar_ppl_at_entropy_fitted
 from relf_jax.methods import Autoregressive, Speculative, parse_proposer
 
@@ -35,22 +33,12 @@ CURVE_TEMPERATURES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1)
 
 
 def _quality_rows(lm, cfg, draft, judge, prompts, k: int, max_new: int, scales) -> list[dict]:
-    from relf_jax.speculative.recipes import sample
-
     rows = []
 
     def run(name, method, temperature, scale=None):
-        sc = dataclasses.replace(cfg.sample, batch_size=8, max_new_tokens=max_new, temperature=temperature,
-                                 top_k=0, top_p=1.0, seed=1)
-        s = sample(lm, prompts=prompts, sample_cfg=sc, method=method)
-        q = reply_quality(judge, prompts, s.texts, s.complete)
-        rows.append({"name": name, "temperature": temperature, "draft_temperature_scale": scale,
-                     "gen_ppl": q["gen_ppl"], "entropy": q["entropy"], "pooled_entropy": q["pooled_entropy"],
-                     "reply_words": q["reply_words"],
-                     "tau": s.tau})
-        print(f"[bench spec sharp] quality, {len(prompts)} prompts, T={temperature:g} {name:>10}"
-              f"{'' if scale is None else f' s={scale:g}'}: gen PPL {q['gen_ppl']:7.2f}  entropy "
-              f"{q['entropy']:.3f}  pooled {q['pooled_entropy']:.3f}  tau {s.tau:.2f}", flush=True)
+        label = name if scale is None else f"{name} s={scale:g}"
+        row = quality_row(lm, cfg, judge, prompts, label, method, temperature, max_new)[0]
+        rows.append({**row, "name": name, "draft_temperature_scale": scale})
 
     for temperature in CURVE_TEMPERATURES:
         run("ar", Autoregressive(), temperature)
