@@ -23,6 +23,7 @@ from relf_jax.config import PROPOSERS, ConfigError, SampleConfig, validate_sampl
 
 RULES = ("standard", "nsd", "greedy")
 FLOW_SAMPLERS = ("euler", "stochastic")
+FLOW_GRIDS = ("uniform", "cosine", "late")
 PROMPT_MODES = ("clean", "renoise")
 RENOISE = ("linear", "marginal")
 CONFIDENCE = ("max", "sampled")
@@ -187,11 +188,14 @@ class Flow:
     renoise: Optional[str] = None
     prompt_mode: Optional[str] = None
     length: Optional[int] = None
+    grid: Optional[str] = None  # the time grid (`relf_jax.flow.samplers.time_grid`)
 
     def __post_init__(self):
         _check(self.nfe is None or self.nfe >= 1, f"Flow.nfe must be >= 1, got {self.nfe}")
         if self.sampler is not None:
             _one_of("Flow.sampler", self.sampler, FLOW_SAMPLERS)
+        if self.grid is not None:
+            _one_of("Flow.grid", self.grid, FLOW_GRIDS)
         if self.renoise is not None:
             _one_of("Flow.renoise", self.renoise, RENOISE)
         if self.prompt_mode is not None:
@@ -261,14 +265,15 @@ def parse_proposer(name: str, *, draft: Any = None, ngram: int = 3, corpus: Sequ
 
 def parse_method(generator: str, *, proposer: str = "draft", k: int = 4, nsd_top_p: float = 0.9,
                  draft_temperature_scale: float = 1.0, nfe: Optional[int] = None, sampler: Optional[str] = None,
-                 threshold: Optional[float] = None, confidence: Optional[str] = None, **proposer_kw: Any) -> Method:
+                 grid: Optional[str] = None, threshold: Optional[float] = None, confidence: Optional[str] = None,
+                 **proposer_kw: Any) -> Method:
     """The method object of the CLI's strings: `generator` "ar", "standard" / "nsd" / "greedy"
     (speculative, with `proposer` and its options `proposer_kw`, see `parse_proposer`), "bd" or "relf"."""
     _one_of("generator", generator, GENERATORS)
     if generator == "ar":
         return Autoregressive()
     if generator == "relf":
-        return Flow(nfe=nfe, sampler=sampler)
+        return Flow(nfe=nfe, sampler=sampler, grid=grid)
     if generator == "bd":
         return BlockDiffusion(threshold=threshold, confidence=confidence)
     return Speculative(rule=generator, k=k, nsd_top_p=nsd_top_p, draft_temperature_scale=draft_temperature_scale,
@@ -280,7 +285,7 @@ def method_from_config(cfg) -> Method:
     (rule "none": autoregressive), ``flow.*`` for ReLF, ``sample.threshold`` for block diffusion."""
     family = cfg.model.family
     if family == "relf":
-        return Flow(nfe=cfg.flow.nfe, sampler=cfg.flow.sampler)
+        return Flow(nfe=cfg.flow.nfe, sampler=cfg.flow.sampler, grid=cfg.flow.grid)
     if family == "bd":
         return BlockDiffusion(threshold=cfg.sample.threshold, confidence=cfg.sample.confidence)
     sp = cfg.speculative

@@ -383,14 +383,37 @@ def test_the_ar_sweep_goes_on_up_until_it_passes_the_relf_rows_entropy(monkeypat
         run.rows.append({**key, "gen_ppl": 1.0, "entropy": entropy_at[key["temperature"]]})
 
     monkeypatch.setattr(run, "ar_row", ar_row)
-    run.extend_ar_sweep(1200, entropy=3.36, tokens=2048.0)
+    run.extend_ar_sweep(1200, {"entropy": 3.36}, tokens=2048.0)
     # 1.2 was measured before (no model needed for it); 1.3 trains the model once; 1.4 passes 3.36
     assert [t for t, _ in measured] == [1.2, 1.3, 1.4] and trained == [1200]
     assert measured[0][1] is None and measured[2][1] == "model"
-    run.extend_ar_sweep(1200, entropy=3.36, tokens=2048.0)  # already past it: nothing more
+    run.extend_ar_sweep(1200, {"entropy": 3.36}, tokens=2048.0)  # already past it: nothing more
     assert len(measured) == 3
-    run.extend_ar_sweep(1200, entropy=9.0, tokens=2048.0, top=1.5)  # stops at the top temperature
+    run.extend_ar_sweep(1200, {"entropy": 9.0}, tokens=2048.0, top=1.5)  # stops at the top temperature
     assert [t for t, _ in measured] == [1.2, 1.3, 1.4, 1.5]
+
+
+def test_the_ar_sweep_extension_reads_the_pooled_entropy_where_the_rows_carry_it(monkeypatch):
+    """The per-sample column of the ReLF row lies above every AR row, its pooled entropy inside
+    the sweep: nothing is added. Past the pooled sweep, AR rows are added until one passes it."""
+    from experiments.bench.relf_core import CoreRun
+
+    run = object.__new__(CoreRun)
+    run.rows = [{"variant": "ar", "train_steps": 600, "temperature": t, "gen_ppl": 100 * t, "entropy": 3.2,
+                 "pooled_entropy": p} for t, p in ((1.0, 5.40), (1.1, 5.50))]
+    measured = []
+    monkeypatch.setattr(run, "have", lambda key: None)
+    monkeypatch.setattr(run, "ar_model", lambda steps: "model")
+
+    def ar_row(key, lm, tokens):
+        measured.append(key["temperature"])
+        run.rows.append({**key, "gen_ppl": 1.0, "entropy": 3.2, "pooled_entropy": 5.5 + key["temperature"] - 1.1})
+
+    monkeypatch.setattr(run, "ar_row", ar_row)
+    run.extend_ar_sweep(600, {"entropy": 3.5, "pooled_entropy": 5.45}, tokens=2048.0)
+    assert measured == []
+    run.extend_ar_sweep(600, {"entropy": 3.1, "pooled_entropy": 5.65}, tokens=2048.0)
+    assert measured == pytest.approx([1.2, 1.3])
 
 
 def test_entropy_probe_reads_each_model_four_ways(monkeypatch, tmp_path):
@@ -414,10 +437,10 @@ def test_entropy_probe_reads_each_model_four_ways(monkeypatch, tmp_path):
     monkeypatch.setattr(core, "exact_judge", lambda cfg: judge)
     monkeypatch.setattr(core, "sample", lambda lm, n, sample_cfg: samples(
         [" ".join(f"w{i}" for i in range(int(10 * sample_cfg.temperature)))] * n))
-    monkeypatch.setattr(core, "sample_relf", lambda lm, n, nfe, sampler: samples(["a b a b a b a b a b a b"] * n))
+    monkeypatch.setattr(core, "sample_relf", lambda lm, n, nfe, sampler, grid: samples(["a b a b a b a b a b a b"] * n))
     out = tmp_path / "probe.json"
     rows = core.entropy_probe(str(out), "ar", "relf", temperatures=(0.8, 1.2), n=4, prefix_lengths=(8,))
-    assert [r["name"] for r in rows] == ["ar T=0.8", "ar T=1.2", "relf stochastic 64"]
+    assert [r["name"] for r in rows] == ["ar T=0.8", "ar T=1.2", "relf euler 64 late"]
     ar08, ar12, relf = rows
     assert ar08["entropy"] == pytest.approx(math.log(8)) and ar12["entropy"] == pytest.approx(math.log(12))
     assert ar08["entropy_first8"] == ar12["entropy_first8"] == pytest.approx(math.log(8))

@@ -105,7 +105,7 @@ def test_method_objects_check_their_values():
            lambda: rj.Speculative(proposer="draft"), lambda: rj.Speculative(nsd_top_p=0.0),
            lambda: rj.Speculative(draft_temperature_scale=0.0), lambda: rj.Speculative(draft_temperature_scale="0.5"),
            lambda: rj.PromptLookup(ngram=0), lambda: rj.NgramTable(order=1), lambda: rj.Flow(nfe=0),
-           lambda: rj.Flow(sampler="heun"), lambda: rj.BlockDiffusion(threshold=1.5),
+           lambda: rj.Flow(sampler="heun"), lambda: rj.Flow(grid="log"), lambda: rj.BlockDiffusion(threshold=1.5),
            lambda: rj.SamplingParams(temperature=-1.0), lambda: rj.SamplingParams(top_p=0.0),
            lambda: rj.SamplingParams(max_new_tokens=0), lambda: rj.SamplingParams(n=0),
            lambda: parse_method("fast"), lambda: parse_method("nsd", proposer="oracle"),
@@ -118,6 +118,7 @@ def test_method_objects_check_their_values():
     assert parse_method("ar") == rj.Autoregressive()
     assert parse_method("nsd", draft_temperature_scale=0.5).draft_temperature_scale == 0.5
     assert parse_method("relf", nfe=8) == rj.Flow(nfe=8)
+    assert parse_method("relf", grid="late") == rj.Flow(grid="late")
     assert parse_method("standard", proposer="corpus_ngram", corpus="online").proposer == rj.NgramTable(("online",))
 
 

@@ -192,6 +192,18 @@ def test_times_per_position():
     assert sample_times(jax.random.key(0), (3, 4), "logit_normal").shape == (3, 4)
 
 
+def test_late_times_follow_their_law():
+    """t = 1 - (1 - u)^2: P(t <= x) = 1 - sqrt(1 - x), half the draws above 0.75."""
+    from relf_jax.flow.losses import sample_times
+
+    t = np.asarray(sample_times(jax.random.key(3), 200_000, "late"))
+    assert 0.0 <= t.min() and t.max() < 1.0
+    for x in (0.25, 0.5, 0.75, 0.9, 0.99):
+        assert abs(float(np.mean(t <= x)) - (1.0 - np.sqrt(1.0 - x))) < 5e-3, x
+    with pytest.raises(ValueError, match="unknown t distribution"):
+        sample_times(jax.random.key(0), 4, "early")
+
+
 def test_blind_spot_residual_never_reads_its_own_position():
     cfg = dataclasses.replace(_cfg().model, vocab_size=61, flow_blind_spot=True, flow_embed_head=False)
     model = build_model(cfg, nnx.Rngs(0))
@@ -307,7 +319,7 @@ def test_relf_cli_refusals_compile_once_and_reflow_rounds(tmp_path, capsys):
 
     import relf_jax as rj
     from experiments.launch import main
-    from relf_jax.flow.generate import relf_tokens, sample_relf
+    from relf_jax.flow.generate import relf_tokens, sample_relf, sampler_settings
     from relf_jax.loading import load_model
 
     wd = str(tmp_path)
@@ -328,6 +340,11 @@ def test_relf_cli_refusals_compile_once_and_reflow_rounds(tmp_path, capsys):
     for seed in range(3):
         sample_relf(lm, 2, nfe=3, batch_size=2, seed=seed)
     assert relf_tokens._cache_size() - before == 1
+    # the time grid is a decoding choice (Flow.grid, sample_relf(grid=)), the model's flow.grid by default
+    assert sampler_settings(lm, Flow()).grid == lm.cfg.flow.grid
+    assert sampler_settings(lm, Flow(grid="cosine")).grid == "cosine"
+    sample_relf(lm, 2, nfe=3, batch_size=2, seed=0, grid="cosine")
+    assert relf_tokens._cache_size() - before == 2
 
     assert main(["reflow", "--workdir", wd, "--rounds", "2", "--pairs", "4", "--steps", "2"]) == 0
     rounds = json.loads((tmp_path / "reflow.json").read_text())

@@ -39,8 +39,12 @@ from relf_jax.io import write_json
 from relf_jax.loading import load_model
 from relf_jax.speculative.recipes import sample
 
-# the sampler rows of each ReLF model: (sampler, NFE); the plain parametrisation gets the first only
-SAMPLER_ROWS = (("stochastic", 64), ("euler", 16), ("euler", 8))
+# the sampler rows of each ReLF model: (sampler, NFE, time grid); the plain parametrisation gets the
+# first only. The "late" grid (small steps near t = 1, where the posterior decides): on the uniform
+# grid the default model's samples lose diversity with no gain in gen PPL (docs/relf.md, "The time
+# grid"); Euler on the late grid reads the same at 64 and 128 NFE, so the 64 row is the model's own
+# distribution.
+SAMPLER_ROWS = (("euler", 64, "late"), ("euler", 16, "late"), ("euler", 8, "late"))
 # the highest AR temperature the sweep is extended to while the default ReLF-64 row's entropy lies
 # above it (`CoreRun.extend_ar_sweep`)
 AR_TOP_TEMPERATURE = 1.6
@@ -78,7 +82,7 @@ def bench_relf_core(out: str, quick: bool = False, workdir: str | None = None, o
         r64 = next((r for r in run.rows if r["variant"] == "relf" and r["nfe"] == 64 and r["train_steps"] == steps
                     and r["gen_ppl"]), None)
         if r64 is not None and not quick:
-            run.extend_ar_sweep(steps, r64["entropy"], tokens["ar"])
+            run.extend_ar_sweep(steps, r64, tokens["ar"])
     tgt = core_targets(run.rows, tokens, budgets)
     report = {"preset": preset, "complete": True, "parts": ["core"], "num_samples": n, "budgets_steps": list(budgets),
               "tokens_per_step": tokens, "text_tokens": {f"{fam}_steps{s}": tokens[fam] * s for fam in tokens
@@ -151,18 +155,22 @@ class CoreRun:
             num_samples=self.n)), reflow_rounds=0, batch=lm.cfg.sample.batch_size if lm else 8,
             text_tokens_per_step=tokens)
 
-    def extend_ar_sweep(self, steps: int, entropy: float, tokens: float, step: float = 0.1,
+    def extend_ar_sweep(self, steps: int, r64: dict, tokens: float, step: float = 0.1,
                         top: float = AR_TOP_TEMPERATURE) -> None:
         """AR rows at temperatures above the budget's sweep, `step` apart and up to `top`, until one
-        reads more entropy than `entropy` (the default ReLF-64 row's): its ratio to AR is then read
-        inside the sweep, not extrapolated past it."""
+        reads more entropy than `r64` (the default ReLF-64 row): its ratio to AR is then read inside
+        the sweep, not extrapolated past it. The entropy is the pooled one where the rows carry it
+        (it does not grow with sample length), else the per-sample column."""
+        ekey = "pooled_entropy" if "pooled_entropy" in r64 else "entropy"
+        entropy = r64[ekey]
+
         def sweep():
             return [r for r in self.rows if r["variant"] == "ar" and r["train_steps"] == steps and r["gen_ppl"]]
 
         if not sweep():
             return
         lm, t = None, max(r["temperature"] for r in sweep())
-        while max(r["entropy"] for r in sweep()) <= entropy and t + step <= top + 1e-9:
+        while max(r.get(ekey, r["entropy"]) for r in sweep()) <= entropy and t + step <= top + 1e-9:
             t = round(t + step, 6)
             key = {"method": f"ar T={t:g}", "variant": "ar", "train_steps": steps, "nfe": None, "temperature": t}
             if lm is None and self.have(key) is None:
@@ -172,7 +180,7 @@ class CoreRun:
     def relf_rows(self, steps: int, variant: str, tokens: float | None) -> None:
         runs = SAMPLER_ROWS if variant != "plain" else SAMPLER_ROWS[:1]
         keys = [{"method": f"relf {s}" + ("" if variant == "relf" else f" {variant}"), "variant": variant,
-                 "train_steps": steps, "nfe": k} for s, k in runs]
+                 "train_steps": steps, "nfe": k, "grid": g} for s, k, g in runs]
         if all(self.have(k) is not None for k in keys):
             for key in keys:
                 self.measure(key, None)
@@ -183,8 +191,9 @@ class CoreRun:
         lm = load_model(os.path.join(vwd, "relf"), "relf")
         text = tokens if tokens is not None else text_tokens_per_step(lm.cfg, self.builder, self.tok,
                                                                       row_mode(lm.cfg))
-        for (sampler, nfe), key in zip(runs, keys, strict=True):
-            self.measure(key, lambda s=sampler, k=nfe: sample_relf(lm, self.n, nfe=k, sampler=s), reflow_rounds=0,
+        for (sampler, nfe, grid), key in zip(runs, keys, strict=True):
+            self.measure(key, lambda s=sampler, k=nfe, g=grid: sample_relf(lm, self.n, nfe=k, sampler=s, grid=g),
+                         reflow_rounds=0,
                          batch=lm.cfg.sample.batch_size, text_tokens_per_step=text)
 
 
@@ -272,11 +281,12 @@ def budget_plot(rows: Sequence[dict], budgets: Sequence[int], path: str, extra: 
         r64 = next((r for r in rows if r["variant"] == "relf" and r["nfe"] == 64 and r["train_steps"] == s
                     and r["gen_ppl"]), None)
         if ar and r64:
-            matched.append((s, ar_ppl_at_entropy(ar, r64["entropy"])[0]))
+            key = "pooled_entropy" if "pooled_entropy" in r64 and all("pooled_entropy" in a for a in ar) else "entropy"
+            matched.append((s, ar_ppl_at_entropy(ar, r64[key], key=key)[0]))
     if matched:
         ax.plot(*zip(*matched), ":o", ms=4, label="AR at the default ReLF-64's entropy")
     for variant in CORE_VARIANTS:
-        for sampler, nfe in SAMPLER_ROWS:
+        for sampler, nfe, _ in SAMPLER_ROWS:
             name = "default ReLF" if variant == "relf" else f"ReLF {variant}"
             line(lambda r, v=variant, k=nfe: r["variant"] == v and r["nfe"] == k,
                  f"{name} {sampler} {nfe}", "-s" if nfe == 64 else "--^")
@@ -331,6 +341,7 @@ def entropy_probe(out: str, ar_dir: str, relf_dir: str, temperatures: Sequence[f
     for t in temperatures:
         read(f"ar T={t:g}", sample(ar, n=n, sample_cfg=dataclasses.replace(
             ar.cfg.sample, temperature=t, top_k=0, top_p=1.0, max_new_tokens=ar.cfg.data.seq_len - 1, num_samples=n)))
-    read("relf stochastic 64", sample_relf(relf, n, nfe=64, sampler="stochastic"))
+    sampler, nfe, grid = SAMPLER_ROWS[0]
+    read(f"relf {sampler} {nfe} {grid}", sample_relf(relf, n, nfe=nfe, sampler=sampler, grid=grid))
     write_json(out, {"ar_dir": ar_dir, "relf_dir": relf_dir, "num_samples": n, "rows": rows})
     return rows

@@ -212,7 +212,7 @@ class FlowConfig:
     residual_bound: float = 10.0  # c in c * tanh(f / c)
     use_singular: bool = True  # False: the ablation without singular logits
     t_eps: float = 1e-4
-    t_distribution: Literal["uniform", "logit_normal"] = "uniform"
+    t_distribution: Literal["uniform", "logit_normal", "late"] = "uniform"
     self_condition_prob: float = 0.5
     # share of training rows whose first k tokens (k uniform over the row's text) are given clean
     # and flagged, with no loss on them: the model learns p(rest | prompt) directly, and prompted
@@ -239,7 +239,10 @@ class FlowConfig:
     blind_spot: bool = True
     nfe: int = 16
     sampler: Literal["euler", "stochastic"] = "euler"
-    grid: Literal["uniform", "cosine", "late"] = "uniform"
+    # the samplers' time grid (relf_jax.flow.samplers.time_grid). "late" (small steps near t = 1,
+    # where the posterior decides; the default since 2026-12-07): on "uniform" the default model's
+    # samples lose diversity with no gain in gen PPL (docs/relf.md, "The time grid")
+    grid: Literal["uniform", "cosine", "late"] = "late"
     guidance: float = 1.0
     gamma: float = 1.0
     # stochastic sampler's noise: "linear" (methods.md's Z' = aZ + (1-a) eps) or "marginal"

@@ -94,19 +94,20 @@ def sample_relf(lm, n: Optional[int] = None, *, prompts: Optional[Sequence[str]]
                 nfe: Optional[int] = None, sampler: Optional[str] = None,
                 guidance: Optional[float] = None, length: Optional[int] = None, batch_size: Optional[int] = None,
                 seed: int = 0, warmup: bool = True, renoise: Optional[str] = None,
-                prompt_mode: Optional[str] = None) -> Samples:
+                prompt_mode: Optional[str] = None, grid: Optional[str] = None) -> Samples:
     """Whole sequences from a ReLF model: `nfe` network calls each, all positions in parallel.
 
     Without `prompts`: `n` unconditional rows. With `prompts`: one row per prompt, the flow
     conditioned on the prompt's positions (`prompt_mode`: "clean" or "renoise", default
     `flow_prompt_mode(lm)`), and the sample is the reply: what follows the prompt up to the end
     of the turn (EOS or the next ``<user>``, `complete` when one is reached).
-    Sampler settings default to the model's ``cfg.flow``; length to ``data.seq_len``. A model
+    Sampler settings (`nfe`, `sampler`, `guidance`, `renoise`, the time `grid`) default to the
+    model's ``cfg.flow``; length to ``data.seq_len``. A model
     trained on segment rows (`flow_lengths`) writes one segment per row, of a length drawn from
     its training segments' lengths (with a prompt: longer than the prompt), and pad after it.
     """
     settings = sampler_settings(lm, Flow(nfe=nfe, sampler=sampler, guidance=guidance, renoise=renoise,
-                                         prompt_mode=prompt_mode))
+                                         prompt_mode=prompt_mode, grid=grid))
     table = jnp.asarray(flow_table(lm))
     length = length or lm.cfg.data.seq_len
     bs = batch_size or lm.cfg.sample.batch_size

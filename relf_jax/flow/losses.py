@@ -4,7 +4,7 @@
 holds the fixed token embeddings (``{"embeddings": [V, d]}``), passed to the compiled step as
 an argument. For each row of token ids x (the first L tokens of a packed row):
 
-    t ~ p(t)  (uniform or logit-normal),  eps ~ N(0, I),  Z_t = t E[x] + (1 - t) eps,
+    t ~ p(t)  (uniform, logit-normal or late),  eps ~ N(0, I),  Z_t = t E[x] + (1 - t) eps,
     sc = stop_gradient(X1_hat of a first pass with sc = 0) with probability p_sc, else 0,
     logits = singular_logits(Z_t, t) + c tanh(f(Z_t, sc, t) / c),
 
@@ -59,7 +59,7 @@ class FlowLossSettings:
     residual_bound: float = 10.0
     use_singular: bool = True
     t_eps: float = 1e-4
-    t_distribution: str = "uniform"  # uniform | logit_normal
+    t_distribution: str = "uniform"  # uniform | logit_normal | late
     self_condition_prob: float = 0.5
     loss: str = "ce"  # ce | mse
     prompt_prob: float = 0.0  # share of rows trained with a clean, flagged prompt prefix
@@ -83,13 +83,18 @@ def prompt_prefix(key: jax.Array, mask: jax.Array, prob: float) -> jax.Array:
 
 
 def sample_times(key: jax.Array, batch: int | tuple[int, ...], distribution: str) -> jax.Array:
-    """t in (0, 1) of shape `batch` (an int: one per row): uniform, or logit-normal (sigmoid of a
-    standard normal)."""
+    """t in (0, 1) of shape `batch` (an int: one per row): uniform, logit-normal (sigmoid of a
+    standard normal), or late: t = 1 - (1 - u)^2 for uniform u, density 1 / (2 sqrt(1 - t)), the
+    spacing of the samplers' "late" grid (half the draws above t = 0.75, where the posterior
+    decides)."""
     shape = (batch,) if isinstance(batch, int) else tuple(batch)
     if distribution == "uniform":
         return jax.random.uniform(key, shape, jnp.float32)
     if distribution == "logit_normal":
         return jax.nn.sigmoid(jax.random.normal(key, shape, jnp.float32))
+    if distribution == "late":
+        t = 1.0 - jnp.square(1.0 - jax.random.uniform(key, shape, jnp.float32))
+        return jnp.minimum(t, jnp.nextafter(jnp.float32(1.0), jnp.float32(0.0)))  # < 1, as the uniform's
     raise ValueError(f"unknown t distribution {distribution!r}")
 
 

@@ -183,7 +183,7 @@ def reflow_round(lm, workdir: str, target_dir: str, r: int, spec: dict, caches=(
         seg = segment_rows(lens, cfg.data.seq_len)
     z0, toks = rollout_pairs(lm.graphdef, lm.params, table, jax.random.key(1000 + r), n=spec["num_pairs"],
                              length=cfg.data.seq_len, settings=settings, nfe=spec["rollout_nfe"],
-                             batch=cfg.sample.batch_size, segment_ids=seg)
+                             batch=cfg.sample.batch_size, grid=cfg.flow.grid, segment_ids=seg)
     before = measure_straightness(lm.graphdef, lm.params, table, z0, toks, settings=settings, segment_ids=seg)
     builder = prepare_data(cfg, root=workdir)  # the run's data (a round's own cfg.workdir is its model dir)
     train_cfg = dataclasses.replace(cfg.train, steps=spec["steps"])

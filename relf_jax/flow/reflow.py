@@ -42,12 +42,12 @@ def _residual_fn(graphdef, params, segment_ids=None, table=None):
     return lambda z, t, sc: network_residual(nnx.merge(graphdef, params), z, sc, t, None, segment_ids, table)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "settings", "nfe", "length", "batch"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings", "nfe", "length", "batch", "grid"))
 def _rollout(graphdef, params, embeddings, key, segment_ids=None, *, settings: FlowLossSettings, nfe: int,
-             length: int, batch: int):
+             length: int, batch: int, grid: str = "uniform"):
     z0 = jax.random.normal(key, (batch, length, embeddings.shape[1]), jnp.float32)
     fn = _residual_fn(graphdef, params, segment_ids, embeddings)
-    z1, x1_hat = euler_integrate(z0, fn, embeddings, time_grid(nfe), c=settings.residual_bound,
+    z1, x1_hat = euler_integrate(z0, fn, embeddings, time_grid(nfe, grid), c=settings.residual_bound,
                                  use_singular=settings.use_singular, t_eps=settings.t_eps)
     tokens = final_tokens(fn, z1, x1_hat, embeddings, c=settings.residual_bound,
                           use_singular=settings.use_singular, t_eps=settings.t_eps)
@@ -55,17 +55,17 @@ def _rollout(graphdef, params, embeddings, key, segment_ids=None, *, settings: F
 
 
 def rollout_pairs(graphdef, params, embeddings, key, *, n: int, length: int, settings: FlowLossSettings,
-                  nfe: int = 64, batch: int = 16,
+                  nfe: int = 64, batch: int = 16, grid: str = "uniform",
                   segment_ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(Z_0 [n, L, d] float32, tokens [n, L] int32): the model's own deterministic coupling, on rows
-    of `segment_ids` [n, L] when given (None: whole rows)."""
+    """(Z_0 [n, L, d] float32, tokens [n, L] int32): the model's own deterministic coupling (Euler,
+    `nfe` steps on the time `grid`), on rows of `segment_ids` [n, L] when given (None: whole rows)."""
     z0s, toks = [], []
     if segment_ids is not None:  # whole batches: repeat the last rows' ids
         segment_ids = np.concatenate([segment_ids, segment_ids[:(-n) % batch]])
     for i in range(0, n, batch):
         seg = None if segment_ids is None else jnp.asarray(segment_ids[i:i + batch])
         z0, tok = _rollout(graphdef, params, embeddings, jax.random.fold_in(key, i), seg, settings=settings, nfe=nfe,
-                           length=length, batch=batch)
+                           length=length, batch=batch, grid=grid)
         z0s.append(np.asarray(z0))
         toks.append(np.asarray(tok))
     return np.concatenate(z0s)[:n], np.concatenate(toks)[:n]

@@ -37,11 +37,11 @@ import numpy as np
 from relf_jax.config import FlowConfig
 from relf_jax.flow.singular import DEFAULT_T_EPS, posterior_logits
 from relf_jax.flow.step import flow_step
-from relf_jax.methods import Flow
+from relf_jax.methods import FLOW_GRIDS, Flow
 
 ResidualFn = Callable[..., jax.Array]  # (z, t, sc) -> residual logits; (z, t, sc, known_mask) for "clean" prompts
 
-GRIDS = ("uniform", "cosine", "late")
+GRIDS = FLOW_GRIDS  # the time grids `time_grid` draws
 SAMPLERS = ("euler", "stochastic")
 RENOISE = ("linear", "marginal")
 PROMPT_MODES = ("renoise", "clean")
@@ -94,7 +94,7 @@ class FlowSamplerSettings:
         """The settings of `method` (a `relf_jax.methods.Flow`) on a model whose run config has
         `flow` (``cfg.flow``): the method's fields, the config's where the method leaves them None;
         `prompt` as the model was trained (`relf_jax.flow.generate.flow_prompt_mode`)."""
-        return cls(nfe=method.nfe or flow.nfe, grid=flow.grid, sampler=method.sampler or flow.sampler,
+        return cls(nfe=method.nfe or flow.nfe, grid=method.grid or flow.grid, sampler=method.sampler or flow.sampler,
                    c=flow.residual_bound, guidance=flow.guidance if method.guidance is None else method.guidance,
                    use_singular=flow.use_singular, t_eps=flow.t_eps, gamma=flow.gamma,
                    renoise=method.renoise or flow.renoise, prompt=prompt)
