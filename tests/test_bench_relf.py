@@ -416,9 +416,9 @@ def test_the_ar_sweep_extension_reads_the_pooled_entropy_where_the_rows_carry_it
     assert measured == pytest.approx([1.2, 1.3])
 
 
-def test_entropy_probe_reads_each_model_four_ways(monkeypatch, tmp_path):
+def test_entropy_probe_reads_each_model_five_ways(monkeypatch, tmp_path):
     """`relf_core.entropy_probe` with the models and samplers faked: AR's samples are short at low
-    T, ReLF's long and repetitive; every row carries the four read-offs and the file is written."""
+    T, ReLF's long and repetitive; every row carries the five read-offs (topic purity too) and the file is written."""
     import json
     import types
 
@@ -435,9 +435,12 @@ def test_entropy_probe_reads_each_model_four_ways(monkeypatch, tmp_path):
     monkeypatch.setattr(core, "load_model", lambda path, family: types.SimpleNamespace(
         cfg=types.SimpleNamespace(sample=Config().sample, data=types.SimpleNamespace(seq_len=64))))
     monkeypatch.setattr(core, "exact_judge", lambda cfg: judge)
+    # AR's words: eight weather words, then food words (topic purity 1 at T = 0.8, 8 / 12 at 1.2)
+    words = ["rain", "snow", "wind", "storm", "cloud", "sun", "fog", "thunder", "pasta", "bread", "rice", "soup"]
     monkeypatch.setattr(core, "sample", lambda lm, n, sample_cfg: samples(
-        [" ".join(f"w{i}" for i in range(int(10 * sample_cfg.temperature)))] * n))
-    monkeypatch.setattr(core, "sample_relf", lambda lm, n, nfe, sampler, grid: samples(["a b a b a b a b a b a b"] * n))
+        [" ".join(words[:int(10 * sample_cfg.temperature)])] * n))
+    monkeypatch.setattr(core, "sample_relf", lambda lm, n, nfe, sampler, grid: samples(
+        ["rain pasta rain pasta rain pasta rain pasta rain pasta rain pasta"] * n))
     out = tmp_path / "probe.json"
     rows = core.entropy_probe(str(out), "ar", "relf", temperatures=(0.8, 1.2), n=4, prefix_lengths=(8,))
     assert [r["name"] for r in rows] == ["ar T=0.8", "ar T=1.2", "relf euler 64 late"]
@@ -446,4 +449,5 @@ def test_entropy_probe_reads_each_model_four_ways(monkeypatch, tmp_path):
     assert ar08["entropy_first8"] == ar12["entropy_first8"] == pytest.approx(math.log(8))
     assert relf["pooled_entropy"] == pytest.approx(math.log(2)) and relf["share_first8"] == 1.0
     assert relf["gen_ppl"] == pytest.approx(math.e) and relf["mean_words"] == 12
+    assert (ar08["topic_purity"], ar12["topic_purity"], relf["topic_purity"]) == pytest.approx((1.0, 8 / 12, 0.5))
     assert json.loads(out.read_text())["rows"] == rows

@@ -15,6 +15,7 @@ from relf_jax.eval.metrics import (
     pooled_unigram_entropy,
     prefix_unigram_entropy,
     quality,
+    topic_purity,
     unigram_entropy,
 )
 
@@ -25,6 +26,22 @@ def test_unigram_entropy_and_distinct():
     assert mean_unigram_entropy([["a", "b"], ["c"] * 3]) == pytest.approx(math.log(2) / 2)
     assert distinct_n([["a", "b", "a", "b"]], 2) == pytest.approx(2 / 3)
     assert distinct_n([["a"]], 2) == 0.0
+
+
+def test_topic_purity_tells_one_topic_per_sample_from_one_per_word():
+    """Samples that keep to one topic read 1.0; words whose topics are drawn one by one from four
+    read near the expected max share; samples with too few topic words are left out and counted."""
+    topic_of = {f"{k}{i}": k for k in "abcd" for i in range(5)}
+    assert topic_purity([["a1", "x", "a2", "a3"], ["c0", "c4"]], topic_of) == (1.0, 1.0)
+    assert topic_purity([["a1", "b1", "a2", "x"]], topic_of)[0] == pytest.approx(2 / 3)
+    assert topic_purity([["a1", "x"], ["b1", "b2"]], topic_of) == (1.0, 0.5)
+    purity, share = topic_purity([["x", "y"]], topic_of)
+    assert math.isnan(purity) and share == 0.0
+    rng = np.random.default_rng(0)
+    mixed = [[f"{k}0" for k in rng.choice(list("abcd"), size=8)] for _ in range(4000)]
+    # E[max count / 8] for 8 draws from 4 equally likely topics, by simulation of the counts
+    counts = np.stack([np.bincount(rng.integers(0, 4, 8), minlength=4) for _ in range(20000)])
+    assert topic_purity(mixed, topic_of)[0] == pytest.approx(float((counts.max(1) / 8).mean()), abs=0.01)
 
 
 def test_pooled_entropy_ignores_reply_length_and_sees_repeated_replies():

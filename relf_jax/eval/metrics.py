@@ -62,6 +62,23 @@ def prefix_unigram_entropy(samples: Sequence[Sequence], k: int) -> tuple[float, 
     return (float(np.mean([unigram_entropy(s) for s in long_])) if long_ else float("nan")), share
 
 
+def topic_purity(samples: Sequence[Sequence], topic_of: dict, min_words: int = 2) -> tuple[float, float]:
+    """(mean share of a sample's topic words that belong to its most frequent topic, over the
+    samples with at least `min_words` topic words; the share of samples that have that many).
+    `topic_of` maps a word to its topic (words it does not hold are not topic words). 1.0: every
+    sample keeps to one topic; with k topics drawn independently per word it falls toward 1 / k.
+    On the synthetic chat corpus (`relf_jax.data.synthetic_chat.lexicon.TOPICS`) it tells a model
+    that writes one conversation on one subject from one that picks each word's subject alone."""
+    purities = []
+    for s in samples:
+        topics = [topic_of[w] for w in s if w in topic_of]
+        if len(topics) >= min_words:
+            _, counts = np.unique(np.asarray(topics, dtype=object).astype(str), return_counts=True)
+            purities.append(counts.max() / len(topics))
+    share = len(purities) / len(samples) if samples else 0.0
+    return (float(np.mean(purities)) if purities else float("nan")), share
+
+
 def distinct_n(samples: Sequence[Sequence], n: int) -> float:
     """Unique n-grams / all n-grams over all samples (0 when there are none)."""
     grams = [tuple(s[i:i + n]) for s in samples for i in range(len(s) - n + 1)]
