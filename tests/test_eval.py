@@ -16,6 +16,7 @@ from relf_jax.eval.metrics import (
     prefix_unigram_entropy,
     quality,
     topic_purity,
+    true_topic_share,
     unigram_entropy,
 )
 
@@ -42,6 +43,21 @@ def test_topic_purity_tells_one_topic_per_sample_from_one_per_word():
     # E[max count / 8] for 8 draws from 4 equally likely topics, by simulation of the counts
     counts = np.stack([np.bincount(rng.integers(0, 4, 8), minlength=4) for _ in range(20000)])
     assert topic_purity(mixed, topic_of)[0] == pytest.approx(float((counts.max(1) / 8).mean()), abs=0.01)
+
+
+def test_true_topic_share_reads_the_mass_on_the_targets_topic():
+    """Tokens 0-1 topic 0, 2-3 topic 1, 4 none. A model that knows the topic reads 1; one that
+    spreads evenly over the topic tokens reads 1 / 2; positions whose target is no topic token
+    are left out."""
+    topic_of_id = np.array([0, 0, 1, 1, -1])
+    knows = np.array([[0.3, 0.2, 0.0, 0.0, 0.5], [0.0, 0.0, 0.1, 0.1, 0.8], [0.2, 0.2, 0.2, 0.2, 0.2]])
+    assert true_topic_share(knows, np.array([1, 2, 4]), topic_of_id, 2) == (1.0, 1.0)
+    even = np.full((2, 5), 0.2)
+    share, right = true_topic_share(even, np.array([0, 3]), topic_of_id, 2)
+    assert share == pytest.approx(0.5) and right == 0.5  # ties go to topic 0
+    wrong = np.array([[0.0, 0.0, 0.6, 0.2, 0.2]])
+    assert true_topic_share(wrong, np.array([0]), topic_of_id, 2) == (0.0, 0.0)
+    assert all(math.isnan(x) for x in true_topic_share(even, np.array([4, 4]), topic_of_id, 2))
 
 
 def test_pooled_entropy_ignores_reply_length_and_sees_repeated_replies():

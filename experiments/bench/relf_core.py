@@ -353,3 +353,66 @@ def entropy_probe(out: str, ar_dir: str, relf_dir: str, temperatures: Sequence[f
     read(f"relf {sampler} {nfe} {grid}", sample_relf(relf, n, nfe=nfe, sampler=sampler, grid=grid))
     write_json(out, {"ar_dir": ar_dir, "relf_dir": relf_dir, "num_samples": n, "rows": rows})
     return rows
+
+
+def topic_knowledge(out: str, ar_dir: str, relf_dirs: Sequence[str], n: int = 64, seed: int = 11,
+                    times: Sequence[float] = (0.5, 0.8, 0.9, 1.0)) -> dict:
+    """Whether each model's word distribution knows the conversation's topic (`true_topic_share`
+    at the positions whose word is a topic word's first piece, pieces shared by topics left out),
+    on `n` conversations drawn from the synthetic grammar (`seed`), one per row: AR's next-word
+    distribution p(x_i | x_<i), and each ReLF model's context classifier p(x_i | Z_{-i}) with its
+    neighbours noised at each of `times` (1.0: clean), without self-conditioning."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from relf_jax.data.synthetic_chat import SyntheticChat
+    from relf_jax.data.synthetic_chat.lexicon import TOPICS
+    from relf_jax.eval.metrics import true_topic_share
+    from relf_jax.flow.generate import flow_table
+    from relf_jax.flow.singular import network_residual
+
+    ar = load_model(ar_dir, "ar")
+    tok, length = ar.tokenizer, ar.cfg.data.seq_len
+    owners: dict[int, set] = {}
+    for k, lists in enumerate(TOPICS.values()):
+        for w in (w for words in lists for w in words):
+            ids = list(tok.encode(w))
+            if ids:
+                owners.setdefault(ids[0], set()).add(k)
+    topic_of_id = np.full(tok.vocab_size, -1)
+    for i, ks in owners.items():
+        if len(ks) == 1:
+            topic_of_id[i] = next(iter(ks))
+    rows = np.full((n, length), tok.pad_id, np.int32)
+    seg = np.zeros((n, length), np.int32)
+    for r, text in enumerate(SyntheticChat().sample(n, seed)):
+        ids = [tok.bos_id, *list(tok.encode(text))[:length - 2], tok.eos_id]
+        rows[r, :len(ids)], seg[r, :len(ids)] = ids, 1
+    report = {"ar_dir": ar_dir, "num_conversations": n, "seed": seed, "rows": []}
+
+    def add(name, probs, targets, text_mask):
+        share, right = true_topic_share(probs[text_mask], targets[text_mask], topic_of_id, len(TOPICS))
+        report["rows"].append({"model": name, "true_topic_share": share, "topic_argmax_right": right,
+                               "chance": 1 / len(TOPICS)})
+        print(f"[topic knowledge] {name:>48}: true-topic share {share:.3f}, argmax topic right {right:.3f}",
+              flush=True)
+
+    logits = nnx.merge(ar.graphdef, ar.params)(jnp.asarray(rows))
+    logits = logits[0] if isinstance(logits, tuple) else logits
+    probs = np.asarray(jax.nn.softmax(jnp.asarray(logits, jnp.float32), -1))
+    add("ar p(x_i | x_<i)", probs[:, :-1], rows[:, 1:], seg[:, 1:] != 0)
+    for relf_dir in relf_dirs:
+        lm = load_model(relf_dir, "relf")
+        table = jnp.asarray(flow_table(lm), jnp.float32)
+        model, c = nnx.merge(lm.graphdef, lm.params), lm.cfg.flow.residual_bound
+        x1 = table[jnp.asarray(rows)]
+        for t in times:
+            z = t * x1 + (1 - t) * jax.random.normal(jax.random.key(seed), x1.shape)
+            f = network_residual(model, z, jnp.zeros_like(z), jnp.full((n,), t, jnp.float32), None,
+                                 jnp.asarray(seg), table)
+            probs = np.asarray(jax.nn.softmax(c * jnp.tanh(f / c), -1))
+            add(f"{relf_dir} p(x_i | Z_-i), t = {t:g}", probs, rows, seg != 0)
+    write_json(out, report)
+    return report

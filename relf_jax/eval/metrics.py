@@ -79,6 +79,26 @@ def topic_purity(samples: Sequence[Sequence], topic_of: dict, min_words: int = 2
     return (float(np.mean(purities)) if purities else float("nan")), share
 
 
+def true_topic_share(probs: np.ndarray, targets: np.ndarray, topic_of_id: np.ndarray,
+                     num_topics: int) -> tuple[float, float]:
+    """How much a model's next-word (or masked-word) distribution knows the topic, at positions
+    whose target is a topic token: (mean over those positions of the mass on the target's topic
+    over the mass on all topics' tokens; the share of them whose most-massed topic is the
+    target's). probs [N, V], targets [N] ids, topic_of_id [V] (-1: not a topic token). A model
+    that knows nothing of the topic reads about 1 / num_topics on the first."""
+    probs, targets, topic_of_id = np.asarray(probs, np.float64), np.asarray(targets), np.asarray(topic_of_id)
+    onehot = np.zeros((len(topic_of_id), num_topics))
+    rows = np.flatnonzero(topic_of_id >= 0)
+    onehot[rows, topic_of_id[rows]] = 1.0
+    keep = topic_of_id[targets] >= 0
+    mass = probs[keep] @ onehot
+    true = topic_of_id[targets[keep]]
+    if not len(true):
+        return float("nan"), float("nan")
+    share = mass[np.arange(len(true)), true] / np.maximum(mass.sum(-1), 1e-30)
+    return float(share.mean()), float(np.mean(mass.argmax(-1) == true))
+
+
 def distinct_n(samples: Sequence[Sequence], n: int) -> float:
     """Unique n-grams / all n-grams over all samples (0 when there are none)."""
     grams = [tuple(s[i:i + n]) for s in samples for i in range(len(s) - n + 1)]
