@@ -405,6 +405,8 @@ def topic_knowledge(out: str, ar_dir: str, relf_dirs: Sequence[str], n: int = 64
     add("ar p(x_i | x_<i)", probs[:, :-1], rows[:, 1:], seg[:, 1:] != 0)
     for relf_dir in relf_dirs:
         lm = load_model(relf_dir, "relf")
+        if lm.tokenizer.to_bytes() != tok.to_bytes():
+            raise UserError(f"{relf_dir} has another tokenizer than {ar_dir}: the rows would not be its words")
         table = jnp.asarray(flow_table(lm), jnp.float32)
         model, c = nnx.merge(lm.graphdef, lm.params), lm.cfg.flow.residual_bound
         x1 = table[jnp.asarray(rows)]
