@@ -73,8 +73,7 @@ def topic_purity(samples: Sequence[Sequence], topic_of: dict, min_words: int = 2
     for s in samples:
         topics = [topic_of[w] for w in s if w in topic_of]
         if len(topics) >= min_words:
-            _, counts = np.unique(np.asarray(topics, dtype=object).astype(str), return_counts=True)
-            purities.append(counts.max() / len(topics))
+            purities.append(max(collections.Counter(topics).values()) / len(topics))
     share = len(purities) / len(samples) if samples else 0.0
     return (float(np.mean(purities)) if purities else float("nan")), share
 
