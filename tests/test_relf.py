@@ -204,6 +204,54 @@ def test_late_times_follow_their_law():
         sample_times(jax.random.key(0), 4, "early")
 
 
+def test_clean_start_rows_draw_near_one_and_the_rest_keep_their_law():
+    from relf_jax.flow.losses import training_times
+
+    key, k_pos = jax.random.key(5), jax.random.key(6)
+    s = FlowLossSettings()
+    t_min = jnp.asarray([0.98] * 4000 + [0.0] * 4000, jnp.float32)
+    t = np.asarray(training_times(key, k_pos, s, (8000, 3), t_min))
+    near, rest = t[:4000], t[4000:]
+    assert near.min() >= 0.98 and near.max() < 1.0 and abs(near.mean() - 0.99) < 1e-3
+    assert rest.min() < 0.05 and abs(rest.mean() - 0.5) < 0.02  # uniform, as without a clean start
+    assert np.array_equal(rest, np.asarray(training_times(key, k_pos, s, (8000, 3)))[4000:])
+    # with times per position the clean rows are near 1 at every position
+    tp = np.asarray(training_times(key, k_pos, FlowLossSettings(per_position_t=1.0), (8000, 3), t_min))
+    assert tp.shape == (8000, 3) and tp[:4000].min() >= 0.98 and tp[4000:].min() < 0.05
+    # and the loss reads the batch field: near-clean rows, a lower loss from the first step
+    model = build_model(dataclasses.replace(_cfg().model, vocab_size=61, flow_blind_spot=False), nnx.Rngs(0))
+    batch = {k: jnp.asarray(v) for k, v in next(CountingBatches()).items()}
+    frozen = {"embeddings": jnp.asarray(gaussian_embeddings(61, 8, seed=1))}
+    loss_fn = make_flow_loss(FlowLossSettings())
+    plain = float(loss_fn(model, batch, jax.random.key(0), frozen)[0])
+    clean = float(loss_fn(model, {**batch, "t_min": jnp.full((8,), 0.98)}, jax.random.key(0), frozen)[0])
+    assert np.isfinite(clean) and clean < plain - 0.5
+
+
+def test_clean_start_schedules_its_batches_and_resumes():
+    from relf_jax.flow.recipes import CleanStart, clean_start_steps
+
+    cfg = make_config("cpu", ["model=relf", "train.steps=1200"])
+    assert cfg.flow.clean_start == 0.4 and clean_start_steps(cfg) == 480  # on by default (12-07)
+    assert clean_start_steps(make_config("cpu", ["model=relf", "flow.clean_start=0"])) == 0
+    for bad in ("flow.clean_start=1", "flow.clean_t=1", "flow.clean_start=-0.1"):
+        with pytest.raises(Exception, match="clean_start"):
+            make_config("cpu", ["model=relf", bad])
+    data = CleanStart(CountingBatches(), steps=3, t_min=0.98)
+    firsts = [next(data)["t_min"] for _ in range(2)]
+    assert all(f.shape == (8,) and (f == np.float32(0.98)).all() for f in firsts)
+    state = data.get_state()
+    later = [next(data)["t_min"][0] for _ in range(3)]
+    assert later == [np.float32(0.98), 0.0, 0.0]
+    again = CleanStart(CountingBatches(), steps=3, t_min=0.98)
+    again.set_state(state)
+    assert [next(again)["t_min"][0] for _ in range(3)] == later
+    assert next(again)["tokens"].tolist() == next(data)["tokens"].tolist()  # the data resumes with it
+    legacy = CleanStart(CountingBatches(), steps=3, t_min=0.98)
+    legacy.set_state(CountingBatches().get_state())  # saved before the clean start: resumed past it
+    assert next(legacy)["t_min"][0] == 0.0
+
+
 def test_blind_spot_residual_never_reads_its_own_position():
     cfg = dataclasses.replace(_cfg().model, vocab_size=61, flow_blind_spot=True, flow_embed_head=False)
     model = build_model(cfg, nnx.Rngs(0))

@@ -21,6 +21,13 @@ still has something to teach, are exactly the rows where its neighbours' evidenc
 With independent times many positions are noisy among cleaner neighbours, and reading them pays
 more.
 
+A clean start (a batch field ``t_min`` [B] float32, added by `relf_jax.flow.recipes.CleanStart`
+for the first ``flow.clean_start`` share of the steps): rows with ``t_min`` > 0 draw t uniformly
+from [t_min, 1) instead. Why (our reading of `relf_core.topic_knowledge`): the conversation's topic
+is readable from the neighbours only near t = 1, and a network trained over the whole t range from
+the start never learns to read it (nor does one with half its rows near 1); learned first on
+near-clean rows, the reading survives the full range and sharpens.
+
 Auxiliary head (``aux_weight`` > 0, our extension; the model needs ``flow_aux_head``): the loss
 adds aux_weight x the cross-entropy of x under softmax(f_aux), a second head on the same trunk
 with no singular logits, on the same positions. Why: with the singular logits supplying each
@@ -50,6 +57,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from relf_jax.flow.singular import interpolate, network_residual, posterior_logits, posterior_mean, velocity
 
@@ -69,6 +77,9 @@ class FlowLossSettings:
     # train the residual alone as the context classifier p(x_i | Z_{-i}) (a blind-spot model);
     # sampling still adds the singular logits
     context_loss: bool = False
+
+
+_BELOW_ONE = float(np.nextafter(np.float32(1.0), np.float32(0.0)))
 
 
 def prompt_prefix(key: jax.Array, mask: jax.Array, prob: float) -> jax.Array:
@@ -94,8 +105,27 @@ def sample_times(key: jax.Array, batch: int | tuple[int, ...], distribution: str
         return jax.nn.sigmoid(jax.random.normal(key, shape, jnp.float32))
     if distribution == "late":
         t = 1.0 - jnp.square(1.0 - jax.random.uniform(key, shape, jnp.float32))
-        return jnp.minimum(t, jnp.nextafter(jnp.float32(1.0), jnp.float32(0.0)))  # < 1, as the uniform's
+        return jnp.minimum(t, _BELOW_ONE)  # < 1, as the uniform's
     raise ValueError(f"unknown t distribution {distribution!r}")
+
+
+def training_times(key: jax.Array, key_positions: jax.Array, s: FlowLossSettings, shape: tuple[int, int],
+                   t_min: jax.Array | None = None) -> jax.Array:
+    """The training times of a batch of `shape` [B, L]: [B] (one per row, from ``s.t_distribution``),
+    or [B, L] with ``s.per_position_t`` > 0 (in that share of rows each position draws its own,
+    from `key_positions`). Rows whose ``t_min`` [B] is > 0 (a clean start) draw from [t_min, 1)."""
+    b = shape[0]
+    t = sample_times(key, b, s.t_distribution)
+    if s.per_position_t > 0:
+        k_pos, k_rows = jax.random.split(key_positions)
+        own = jax.random.bernoulli(k_rows, s.per_position_t, (b, 1))
+        t = jnp.where(own, sample_times(k_pos, shape, s.t_distribution), t[:, None])  # [B, L]
+    if t_min is not None:
+        t_min = jnp.asarray(t_min, jnp.float32)
+        t_min = t_min[:, None] if t.ndim == 2 else t_min
+        near = t_min + (1.0 - t_min) * jax.random.uniform(jax.random.fold_in(key, 1), t.shape, jnp.float32)
+        t = jnp.where(t_min > 0, jnp.minimum(near, _BELOW_ONE), t)
+    return t
 
 
 def flow_inputs(batch: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -115,11 +145,7 @@ def make_flow_loss(settings: FlowLossSettings):
         tokens, mask, segments = flow_inputs(batch)
         b = tokens.shape[0]
         k_t, k_eps, k_sc, k_prompt = jax.random.split(key, 4)
-        t = sample_times(k_t, b, s.t_distribution)
-        if s.per_position_t > 0:
-            k_pos, k_rows = jax.random.split(jax.random.fold_in(key, 1))
-            own = jax.random.bernoulli(k_rows, s.per_position_t, (b, 1))
-            t = jnp.where(own, sample_times(k_pos, tokens.shape, s.t_distribution), t[:, None])  # [B, L]
+        t = training_times(k_t, jax.random.fold_in(key, 1), s, tokens.shape, batch.get("t_min"))
         x1 = jnp.take(embeddings, tokens, axis=0)
         eps = jax.random.normal(k_eps, x1.shape, jnp.float32)
         z = interpolate(x1, eps, t)

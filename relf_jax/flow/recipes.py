@@ -101,6 +101,42 @@ def check_resumable(model_dir: str, model_cfg) -> None:
                             f"with {key}={before}, or train in another workdir")
 
 
+class CleanStart:
+    """The training batches with a ``t_min`` [B] float32 field: ``t_min`` for the first `steps`
+    batches, 0 after (the flow loss draws those rows' t from [t_min, 1): `relf_jax.flow.losses`).
+    Its position (batches drawn) is part of the data state, so a resumed run continues the
+    schedule; a state saved without it (a run started before the clean start) resumes past it."""
+
+    def __init__(self, data, steps: int, t_min: float):
+        self.data, self.steps, self.t_min, self.drawn = data, int(steps), float(t_min), 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batch = dict(next(self.data))
+        value = self.t_min if self.drawn < self.steps else 0.0
+        batch["t_min"] = np.full((len(batch["tokens"]),), value, np.float32)
+        self.drawn += 1
+        return batch
+
+    def get_state(self) -> dict:
+        return {"clean_start": self.drawn, "data": self.data.get_state()}
+
+    def set_state(self, state) -> None:
+        if isinstance(state, dict) and "clean_start" in state:
+            self.drawn = int(state["clean_start"])
+            state = state["data"]
+        else:
+            self.drawn = self.steps
+        self.data.set_state(state)
+
+
+def clean_start_steps(cfg: Config) -> int:
+    """How many of ``train.steps`` train near t = 1 first (``flow.clean_start``)."""
+    return int(round(cfg.flow.clean_start * cfg.train.steps))
+
+
 def train_relf(cfg: Config, *, mesh=None) -> TrainResult:
     """Train (or resume) a ReLF flow model: fixed embeddings + the CE flow loss, same train loop."""
     builder = prepare_data(cfg)
@@ -119,6 +155,8 @@ def train_relf(cfg: Config, *, mesh=None) -> TrainResult:
         flow_segment_lengths(cfg, builder, tok, model_dir)
     data = pipeline.make_iterator(builder, "train", tok, seq_len=d.seq_len, batch_size=t.batch_size, seed=t.seed,
                                   rows=rows, lookahead=d.pack_lookahead)
+    if clean_start_steps(cfg) > 0:
+        data = CleanStart(data, clean_start_steps(cfg), cfg.flow.clean_t)
     evals = pipeline.eval_batches(builder, "validation", tok, seq_len=d.seq_len, batch_size=t.batch_size,
                                   max_batches=t.eval_batches, rows=rows, lookahead=d.pack_lookahead)
     return train(cfg, model_cfg, make_flow_loss(flow_loss_settings(cfg, tok.pad_id)), data, eval_data=evals,
