@@ -230,9 +230,9 @@ class FlowConfig:
     # one t per row). Sampling keeps one t per row. Makes reading noisy neighbours pay in training:
     # see relf_jax.flow.losses; measured: README's ReLF section.
     per_position_t: float = 0.0
-    # A clean start (our extension, the default since 2026-12-07 g): the first `clean_start` share of
-    # train.steps draws every row's t from [clean_t, 1) (neighbours nearly clean), the rest from
-    # t_distribution. Over the whole t range from the first step the network never learns to read
+    # A clean start (our extension, the default since 2026-12-07, seventh session): the first
+    # `clean_start` share of train.steps draws every row's t from [clean_t, 1) (neighbours nearly
+    # clean), the rest from t_distribution. Over the whole t range from the first step the network never learns to read
     # long-range context (the conversation's topic; the context is noise in most rows), and a
     # 50 / 50 mix of near-1 and uniform rows does not either; once learned on near-clean rows the
     # reading survives, and sharpens, under the full range. Measured: docs/relf.md, "A clean start".
