@@ -403,6 +403,24 @@ def test_relf_cli_refusals_compile_once_and_reflow_rounds(tmp_path, capsys):
     assert lm.step == 2
     assert len(rj.generate(lm, None, rj.SamplingParams(n=2, batch_size=2), method=rj.Flow(nfe=2))) == 2
 
+    # `relf_core.topic_knowledge` on it and an AR model of the same workdir (the same tokenizer):
+    # one row for AR, one per ReLF time, written to its file; a model with another tokenizer is refused
+    from experiments.bench.relf_core import topic_knowledge
+
+    assert main(["train", "--preset", "tiny", "--workdir", wd, "data.source=chatterbot", "train.steps=2",
+                 "train.progress=false", "data.seq_len=16"]) == 0
+    report = topic_knowledge(str(tmp_path / "topic.json"), wd, [wd], n=3, times=(0.5, 1.0))
+    assert [r["model"] for r in report["rows"]] == ["ar p(x_i | x_<i)", f"{wd} p(x_i | Z_-i), t = 0.5",
+                                                     f"{wd} p(x_i | Z_-i), t = 1"]
+    assert all(r["chance"] == 1 / 8 and (np.isnan(r["true_topic_share"]) or 0 <= r["true_topic_share"] <= 1)
+               for r in report["rows"])
+    assert json.loads((tmp_path / "topic.json").read_text())["num_conversations"] == 3
+    other = str(tmp_path / "other")
+    assert main(["train", "--preset", "tiny", "--workdir", other, "model=relf", "data.source=chatterbot",
+                 "train.steps=1", "train.progress=false", "data.seq_len=16", "data.vocab_size=200"]) == 0
+    with pytest.raises(UserError, match="another tokenizer"):
+        topic_knowledge(str(tmp_path / "topic2.json"), wd, [other], n=3, times=(1.0,))
+
 
 def test_a_reflow_round_is_reused_only_under_its_own_settings(tmp_path):
     from relf_jax.checkpoint import Checkpointer
