@@ -61,6 +61,12 @@ def test_bench_relf_toy_runs_and_the_exact_posterior_samples_valid_rows(tmp_path
     # four steps teach nothing: the trained rows are far from the exact posterior
     assert rows["singular", "euler"]["word_ce"]["0.5"] > 0.3
     assert all(0.0 <= r["valid_share"] <= 1.0 for r in report["rows"])
+    # the default row trains with the default recipe's clean start (4 steps: round(0.4 * 4) = 2 near 1),
+    # which the paper's rows do not: the saved data state says how many batches it drew
+    for variant, clean in (("default", {"clean_start": 4}), ("singular", {})):
+        (ckpt,) = (tmp_path / "runs").glob(f"{variant}_*/checkpoints/4/data/metadata")
+        state = json.loads(ckpt.read_text())["iterator"]
+        assert {k: state[k] for k in clean} == clean and ("clean_start" in state) == bool(clean)
     with pytest.raises(ValueError, match="unknown variants"):
         bench_relf_toy(str(out), sizes=sz, variants=("exact", "nope"))
     # other settings in the same workdir train a model of their own, never resume another toy's

@@ -168,7 +168,7 @@ def _train(sz: ToySizes, rows, table, *, use_singular: bool = True, aux_weight: 
     """Train one variant; ``default``: the settings ``model=relf`` trains with (`overrides` apply),
     else the paper's parametrisation with the named changes (self-conditioning off)."""
     from relf_jax.flow.losses import FlowLossSettings, make_flow_loss
-    from relf_jax.flow.recipes import flow_loss_settings
+    from relf_jax.flow.recipes import CleanStart, clean_start_steps, flow_loss_settings
     from relf_jax.train.loop import train
 
     cfg = make_config(sz.preset, ["model=relf", f"train.steps={sz.steps}", f"train.batch_size={sz.batch}",
@@ -185,8 +185,11 @@ def _train(sz: ToySizes, rows, table, *, use_singular: bool = True, aux_weight: 
     model_cfg = dataclasses.replace(cfg.model, vocab_size=sz.vocab, max_seq_len=sz.length,
                                     flow_embed_dim=sz.embed_dim, flow_aux_head=settings.aux_weight > 0,
                                     flow_blind_spot=blind_spot)
-    res = train(cfg, model_cfg, make_flow_loss(settings), ToyBatches(rows, sz.batch, sz.seed), workdir=workdir,
-                tensorboard=False, frozen={"embeddings": table})
+    data = ToyBatches(rows, sz.batch, sz.seed)
+    if default and clean_start_steps(cfg) > 0:  # the default recipe's clean start, as train_relf has it
+        data = CleanStart(data, clean_start_steps(cfg), cfg.flow.clean_t)
+    res = train(cfg, model_cfg, make_flow_loss(settings), data, workdir=workdir, tensorboard=False,
+                frozen={"embeddings": table})
     return res, cfg
 
 
@@ -211,8 +214,11 @@ def bench_relf_toy(out: str, quick: bool = False, workdir: str | None = None, ov
     rows = candidate_rows(sz)
     table = jnp.asarray(emb.gaussian_embeddings(sz.vocab, sz.embed_dim, seed=sz.seed, norm=sz.embed_norm))
     # the sizes and overrides name each variant's directory: a rerun with other settings trains
-    # anew instead of resuming (and reporting) a model trained on another toy
-    tag = hashlib.sha1(json.dumps([dataclasses.asdict(sz), list(overrides)], sort_keys=True).encode()).hexdigest()[:8]
+    # anew instead of resuming (and reporting) a model trained on another toy; so does the default
+    # recipe's clean start (a model trained before it was the default is not reused)
+    flow = make_config(sz.preset, ["model=relf", *overrides]).flow
+    key = [dataclasses.asdict(sz), list(overrides), [flow.clean_start, flow.clean_t]]
+    tag = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
     t0 = time.perf_counter()
     result = {"sizes": dataclasses.asdict(sz), "rows": []}
     unknown = set(variants) - set(VARIANTS)
