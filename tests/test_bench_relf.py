@@ -451,3 +451,32 @@ def test_entropy_probe_reads_each_model_five_ways(monkeypatch, tmp_path):
     assert relf["gen_ppl"] == pytest.approx(math.e) and relf["mean_words"] == 12
     assert (ar08["topic_purity"], ar12["topic_purity"], relf["topic_purity"]) == pytest.approx((1.0, 8 / 12, 0.5))
     assert json.loads(out.read_text())["rows"] == rows
+
+
+def test_the_bag_of_tokens_topic_reader_reads_the_neighbours_only():
+    """Two topics (words {0, 1} and {2, 3}), orthogonal embeddings: near t = 1 each position's
+    posterior names the topic of the *other* positions' words (leave-one-out), at t = 0 it is the
+    uniform prior, masked positions count for nothing; and against the product rule by hand."""
+    import numpy as np
+
+    from experiments.bench.relf_core import bag_of_tokens_topic_posterior
+
+    table = 3.0 * np.eye(4)
+    log_unigrams = np.log(np.array([[0.5, 0.5, 1e-9, 1e-9], [1e-9, 1e-9, 0.5, 0.5]]))
+    tokens = np.array([0, 2, 3])
+    post = bag_of_tokens_topic_posterior(table[tokens], 0.999, table, log_unigrams, np.ones(3, bool))
+    # position 0 sees words 2 and 3 (topic 1); positions 1 and 2 see one word of each topic
+    assert post[0, 1] > 0.999 and np.allclose(post[1:], 0.5, atol=1e-6)
+    # masked out, word 3 tells nothing: position 0 reads word 2 alone, position 2 word 0 against word 2
+    post = bag_of_tokens_topic_posterior(table[tokens], 0.999, table, log_unigrams, np.array([True, True, False]))
+    assert post[0, 1] > 0.999 and post[1, 0] > 0.999 and np.allclose(post[2], 0.5, atol=1e-6)
+    np.testing.assert_allclose(bag_of_tokens_topic_posterior(np.zeros((3, 4)), 0.0, table, log_unigrams,
+                                                             np.ones(3, bool)), 0.5)
+    # a noisy case against the formula: p(k | Z_-0) ∝ prod_{j=1,2} sum_w p(w | k) N(z_j; t e_w, (1-t)^2)
+    rng, t = np.random.default_rng(0), 0.4
+    z = t * table[tokens] + (1 - t) * rng.standard_normal((3, 4))
+    dens = np.exp(-((z[:, None] - t * table[None]) ** 2).sum(-1) / (2 * (1 - t) ** 2))  # [3, V]
+    like = dens @ np.exp(log_unigrams).T  # [3, K]
+    want = like[1] * like[2] / (like[1] * like[2]).sum()
+    np.testing.assert_allclose(bag_of_tokens_topic_posterior(z, t, table, log_unigrams, np.ones(3, bool))[0], want,
+                               rtol=1e-6)

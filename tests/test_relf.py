@@ -409,11 +409,14 @@ def test_relf_cli_refusals_compile_once_and_reflow_rounds(tmp_path, capsys):
 
     assert main(["train", "--preset", "tiny", "--workdir", wd, "data.source=chatterbot", "train.steps=2",
                  "train.progress=false", "data.seq_len=16"]) == 0
-    report = topic_knowledge(str(tmp_path / "topic.json"), wd, [wd], n=3, times=(0.5, 1.0))
+    report = topic_knowledge(str(tmp_path / "topic.json"), wd, [wd], n=3, times=(0.5, 1.0), unigram_rows=20)
+    reader = f"bag-of-tokens reader on {wd}'s Z"
     assert [r["model"] for r in report["rows"]] == ["ar p(x_i | x_<i)", f"{wd} p(x_i | Z_-i), t = 0.5",
-                                                     f"{wd} p(x_i | Z_-i), t = 1"]
-    assert all(r["chance"] == 1 / 8 and (np.isnan(r["true_topic_share"]) or 0 <= r["true_topic_share"] <= 1)
-               for r in report["rows"])
+                                                     f"{reader}, t = 0.5", f"{wd} p(x_i | Z_-i), t = 1",
+                                                     f"{reader}, t = 1"]
+    for r in report["rows"]:
+        share = r["posterior_on_true_topic" if r["model"].startswith(reader) else "true_topic_share"]
+        assert r["chance"] == 1 / 8 and (np.isnan(share) or 0 <= share <= 1)
     assert json.loads((tmp_path / "topic.json").read_text())["num_conversations"] == 3
     other = str(tmp_path / "other")
     assert main(["train", "--preset", "tiny", "--workdir", other, "model=relf", "data.source=chatterbot",

@@ -355,13 +355,37 @@ def entropy_probe(out: str, ar_dir: str, relf_dir: str, temperatures: Sequence[f
     return rows
 
 
+def bag_of_tokens_topic_posterior(z, t: float, table, log_unigrams, mask):
+    """The leave-one-out topic posteriors [L, K] of one row's noised embeddings `z` [L, D] at time
+    `t` (Z_j = t e_{x_j} + (1 - t) eps_j): p(k | Z_{-i}) ∝ prod_{j != i, mask_j} sum_w p(w | k)
+    N(Z_j; t e_w, (1 - t)^2 I), a uniform topic prior, `log_unigrams` [K, V] log p(w | k), `table`
+    [V, D] the embeddings e_w. A reader that knows the topics' word frequencies and ignores word
+    order: what the neighbours' noisy embeddings tell of the topic at the least (the grammar's
+    exact posterior knows more). At t = 1 the variance floor 1e-8 makes it read the words."""
+    import numpy as np
+    from scipy.special import logsumexp
+
+    z, table = np.asarray(z, np.float64), np.asarray(table, np.float64)
+    var = max((1.0 - t) ** 2, 1e-8)
+    # log N(Z_j; t e_w, var I) up to a term of j alone (it cancels between topics)
+    ll = (2 * t * z @ table.T - t * t * np.sum(table * table, -1)) / (2 * var)  # [L, V]
+    per_pos = logsumexp(ll[:, None, :] + np.asarray(log_unigrams)[None], axis=-1)  # [L, K]
+    per_pos = per_pos * np.asarray(mask, np.float64)[:, None]
+    loo = per_pos.sum(0)[None] - per_pos
+    return np.exp(loo - logsumexp(loo, axis=-1, keepdims=True))
+
+
 def topic_knowledge(out: str, ar_dir: str, relf_dirs: Sequence[str], n: int = 64, seed: int = 11,
-                    times: Sequence[float] = (0.5, 0.8, 0.9, 1.0)) -> dict:
+                    times: Sequence[float] = (0.5, 0.8, 0.9, 1.0), unigram_rows: int = 400) -> dict:
     """Whether each model's word distribution knows the conversation's topic (`true_topic_share`
     at the positions whose word is a topic word's first piece, pieces shared by topics left out),
     on `n` conversations drawn from the synthetic grammar (`seed`), one per row: AR's next-word
     distribution p(x_i | x_<i), and each ReLF model's context classifier p(x_i | Z_{-i}) with its
-    neighbours noised at each of `times` (1.0: clean), without self-conditioning."""
+    neighbours noised at each of `times` (1.0: clean), without self-conditioning. Next to each
+    classifier row, what `bag_of_tokens_topic_posterior` reads from the same Z at the same
+    positions (`topic_argmax_right` compares the two; the topics' token frequencies from
+    `unigram_rows` sampled conversations per topic): how much of the topic the noised neighbours
+    hold, at the least."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -385,11 +409,23 @@ def topic_knowledge(out: str, ar_dir: str, relf_dirs: Sequence[str], n: int = 64
     for i, ks in owners.items():
         if len(ks) == 1:
             topic_of_id[i] = next(iter(ks))
+
+    def ids_of(text):
+        return [tok.bos_id, *list(tok.encode(text))[:length - 2], tok.eos_id]
+
     rows = np.full((n, length), tok.pad_id, np.int32)
     seg = np.zeros((n, length), np.int32)
-    for r, text in enumerate(SyntheticChat().sample(n, seed)):
-        ids = [tok.bos_id, *list(tok.encode(text))[:length - 2], tok.eos_id]
+    chats = SyntheticChat().sample_with_info(n, seed)
+    for r, chat in enumerate(chats):
+        ids = ids_of(chat["text"])
         rows[r, :len(ids)], seg[r, :len(ids)] = ids, 1
+    topic = np.array([chat["topic"] for chat in chats])
+    counts = np.full((len(TOPICS), tok.vocab_size), 0.1)  # the reader's p(w | k), smoothed
+    for k in range(len(TOPICS)):
+        for text in SyntheticChat().sample(unigram_rows, seed + 1 + k, topics=[k]):
+            np.add.at(counts[k], ids_of(text), 1)
+    log_unigrams = np.log(counts / counts.sum(-1, keepdims=True))
+    row_at, pos_at = np.nonzero((topic_of_id[rows] >= 0) & (seg != 0))  # the topic words' positions
     report = {"ar_dir": ar_dir, "num_conversations": n, "seed": seed, "rows": []}
 
     def add(name, probs, targets, text_mask):
@@ -416,5 +452,14 @@ def topic_knowledge(out: str, ar_dir: str, relf_dirs: Sequence[str], n: int = 64
                                  jnp.asarray(seg), table)
             probs = np.asarray(jax.nn.softmax(c * jnp.tanh(f / c), -1))
             add(f"{relf_dir} p(x_i | Z_-i), t = {t:g}", probs, rows, seg != 0)
+            post = np.stack([bag_of_tokens_topic_posterior(np.asarray(z[r]), t, table, log_unigrams, seg[r] != 0)
+                             for r in range(n)])[row_at, pos_at]  # [positions, K]
+            name, true = f"bag-of-tokens reader on {relf_dir}'s Z, t = {t:g}", topic[row_at]
+            on_true = float(post[np.arange(len(true)), true].mean()) if len(true) else float("nan")
+            right = float(np.mean(post.argmax(-1) == true)) if len(true) else float("nan")
+            report["rows"].append({"model": name, "posterior_on_true_topic": on_true, "topic_argmax_right": right,
+                                   "chance": 1 / len(TOPICS)})
+            print(f"[topic knowledge] {name:>48}: posterior on the true topic {on_true:.3f}, argmax topic right "
+                  f"{right:.3f}", flush=True)
     write_json(out, report)
     return report
