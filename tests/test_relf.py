@@ -451,13 +451,16 @@ def _generic(model):
     model.out[...] = 0.1 * jax.random.normal(jax.random.key(5), model.out.shape)
     if model.out_emb is not None:
         model.out_emb[...] = 0.1 * jax.random.normal(jax.random.key(6), model.out_emb.shape)
+    if getattr(model, "bag", None) is not None:
+        model.bag[2][...] = 0.1 * jax.random.normal(jax.random.key(7), model.bag[2].shape)
     return model
 
 
-@pytest.mark.parametrize("blind_spot, query_layers", [(False, 0), (True, 0), (True, 2)])
-def test_packed_segments_never_attend_across(blind_spot, query_layers):
+@pytest.mark.parametrize("blind_spot, query_layers, bag", [(False, 0, False), (True, 0, False), (True, 2, False),
+                                                         (True, 0, True)])
+def test_packed_segments_never_attend_across(blind_spot, query_layers, bag):
     cfg = dataclasses.replace(_cfg().model, vocab_size=61, flow_blind_spot=blind_spot,
-                              num_layers=2 + query_layers, flow_query_layers=query_layers)
+                              num_layers=2 + query_layers, flow_query_layers=query_layers, flow_bag_input=bag)
     g, p = nnx.split(_generic(build_model(cfg, nnx.Rngs(0))))
     table = jnp.asarray(gaussian_embeddings(61, 8, seed=1))
     seg = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1, 1, 1]], jnp.int32)
@@ -496,15 +499,16 @@ def test_flow_loss_on_packed_rows_is_spent_on_text_only():
     assert abs(float(run(tokens.at[0, 6].set(8))[0]) - float(loss)) > 1e-5  # a text token does
 
 
-@pytest.mark.parametrize("evidence, query_layers", [(False, 0), (True, 0), (False, 2)])
-def test_default_relf_reads_its_context_exactly_by_gradient(evidence, query_layers):
+@pytest.mark.parametrize("evidence, query_layers, bag", [(False, 0, False), (True, 0, False), (False, 2, False),
+                                                         (False, 0, True)])
+def test_default_relf_reads_its_context_exactly_by_gradient(evidence, query_layers, bag):
     """The default network's output at i has zero gradient w.r.t. Z_i and a non-zero one w.r.t.
     its neighbours (segment-packed row: nothing from the other segment either); so has the
-    network that also reads each position's own evidence (a function of Z_j alone), and the one
-    with query layers over both streams."""
+    network that also reads each position's own evidence (a function of Z_j alone), the one
+    with query layers over both streams, and the one with a leave-one-out bag input."""
     cfg = make_config("tiny", ["model=relf"]).model
     assert cfg.flow_blind_spot
-    cfg = dataclasses.replace(cfg, vocab_size=61, flow_evidence_input=evidence,
+    cfg = dataclasses.replace(cfg, vocab_size=61, flow_evidence_input=evidence, flow_bag_input=bag,
                               num_layers=cfg.num_layers + query_layers, flow_query_layers=query_layers)
     model = _generic(build_model(cfg, nnx.Rngs(0)))
     assert len(model.query_blocks) == query_layers and len(model.blocks) == len(model.blocks_bwd) == 1
@@ -552,6 +556,9 @@ def test_the_default_config_is_the_context_reading_relf():
         make_config("cpu", ["model=relf", "model.flow_kv_heads=3"])
     with pytest.raises(Exception, match="flow_query_layers"):  # 4 - 1 layers cannot split into two streams
         make_config("cpu", ["model=relf", "model.flow_query_layers=1"])
+    assert not cfg.model.flow_bag_input  # the leave-one-out bag input: an option of the blind-spot network
+    with pytest.raises(Exception, match="flow_bag_input"):
+        make_config("cpu", ["model=relf", "model.flow_bag_input=true", "flow.blind_spot=false"])
     assert make_config("cpu", ["model=relf", "model.num_layers=3", "flow.blind_spot=false"])
 
 

@@ -33,7 +33,10 @@ FREE_HEAD = ["model.flow_embed_head=false"]
 # "full_kv") is not better than the default. It costs 1.4-1.6x a network forward and 1.3-1.4x a
 # training step (docs/relf.md), so it is not the default.
 QUERY = ["model.flow_query_layers=2", "model.flow_kv_heads=4"]
+# "bag": a leave-one-out bag of the segment's tokens as a further input (model.flow_bag_input), the
+# form of a Bayes reader of the topic from noisy neighbours (docs/relf.md)
 CORE_VARIANTS = {"relf": [], "plain": PLAIN, "free_head": FREE_HEAD, "whiten": ["flow.embed_whiten=true"],
-                 "query": QUERY, "query_gqa": ["model.flow_query_layers=2"], "full_kv": ["model.flow_kv_heads=4"]}
+                 "query": QUERY, "query_gqa": ["model.flow_query_layers=2"], "full_kv": ["model.flow_kv_heads=4"],
+                 "bag": ["model.flow_bag_input=true"]}
 # what `--parts core` trains without --variants (the two halves of "query" only on request)
 DEFAULT_CORE_VARIANTS = ("relf", "plain", "free_head", "whiten", "query")

@@ -69,7 +69,9 @@ _NETWORK_SWITCHES = (("flow_prompt_input", "flow.prompt_prob > 0", "flow.prompt_
                      ("flow_aux_head", "flow.aux_weight > 0", "flow.aux_weight = 0", "an auxiliary head"),
                      ("flow_blind_spot", "flow.blind_spot=true", "flow.blind_spot=false", "a blind-spot network"),
                      ("flow_embed_head", "model.flow_embed_head=true", "model.flow_embed_head=false",
-                      "an embedding-tied residual head"))
+                      "an embedding-tied residual head"),
+                     ("flow_bag_input", "model.flow_bag_input=true", "model.flow_bag_input=false",
+                      "a leave-one-out bag input"))
 
 
 # network sizes (ModelConfig attributes) a checkpoint is resumed with: (attribute, what, override)

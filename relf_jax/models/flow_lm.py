@@ -49,6 +49,12 @@ With ``cfg.flow_evidence_input`` (our extension, off) each position's own eviden
 log of its singular posterior, is a further input (``evidence=``, computed by
 `relf_jax.flow.singular.evidence_input`; `relf_jax.flow.singular.network_residual` calls the
 network with it): a function of z_j alone, so the blind spot stays exact. Measured on the toy: no gain (docs/relf.md).
+
+With ``cfg.flow_bag_input`` (our extension, off) the blind-spot network's combine block also reads a
+leave-one-out bag of its segment: a per-token MLP of each input (time-conditioned), summed over
+the other positions of i's segment and divided by the square root of their number, projected by a
+zero-initialised matrix. It is the form of a Bayes reader of the conversation's topic from noisy
+neighbours (a sum of per-token log-likelihoods); position i's input never enters its own bag.
 """
 
 from __future__ import annotations
@@ -132,6 +138,11 @@ class FlowLM(nnx.Module):
                                          (None, "embed"), pdtype)
             self.combine_norm = RMSNorm(d, eps=cfg.norm_eps, rngs=rngs, param_dtype=pdtype)
             self.combine_mlp = SwiGLU(d, cfg.mlp_dim, rngs=rngs, dtype=dtype, param_dtype=pdtype)
+        # the bag input: (norm, per-token MLP, zero-initialised projection)
+        self.bag = (nnx.List([RMSNorm(d, eps=cfg.norm_eps, rngs=rngs, param_dtype=pdtype),
+                              SwiGLU(d, cfg.mlp_dim, rngs=rngs, dtype=dtype, param_dtype=pdtype),
+                              make_param(rngs, jax.nn.initializers.zeros, (d, d), (None, "embed"), pdtype)])
+                    if self.blind_spot and cfg.flow_bag_input else None)
         self.final_norm = RMSNorm(d, eps=cfg.norm_eps, rngs=rngs, param_dtype=pdtype)
         self.out = make_param(rngs, jax.nn.initializers.zeros, (d, cfg.vocab_size), ("embed", "vocab"), pdtype)
         self.out_emb = (make_param(rngs, jax.nn.initializers.zeros, (d, d_emb), ("embed", None), pdtype)
@@ -228,11 +239,24 @@ class FlowLM(nnx.Module):
         left = jnp.where(same_left, jnp.pad(fwd[:, :-1], ((0, 0), (1, 0), (0, 0))), 0)
         right = jnp.where(same_right, jnp.pad(bwd[:, 1:], ((0, 0), (0, 1), (0, 0))), 0)
         h = jnp.concatenate([left, right], axis=-1) @ self.combine_in[...].astype(left.dtype)
-        h = h + (cond[:, None, :] if cond.ndim == 2 else cond).astype(h.dtype)
+        cond_l = (cond[:, None, :] if cond.ndim == 2 else cond).astype(h.dtype)
+        h = h + cond_l
+        if self.bag is not None:
+            h = h + self._bag(x, cond_l, segment_ids, idx)
         h = h + self.combine_mlp(self.combine_norm(h)).astype(h.dtype)
         if len(self.query_blocks):
             h = self._query_layers(h, fwd, bwd, positions, cond, segment_ids, idx)
         return self.final_norm(h).astype(jnp.float32)
+
+    def _bag(self, x, cond, segment_ids, idx):
+        """The leave-one-out bag [B, L, d]: sum over j != i in i's segment of MLP(x_j, t), / sqrt of
+        their number, projected (``model.flow_bag_input``)."""
+        norm, mlp, proj = self.bag
+        g = mlp(norm(x + cond))
+        others = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (idx[:, :, None] != idx[:, None, :])
+        others = others.astype(g.dtype)
+        bag = jnp.einsum("bij,bjd->bid", others, g) * jax.lax.rsqrt(jnp.maximum(others.sum(-1), 1.0))[..., None]
+        return bag @ proj[...].astype(g.dtype)
 
     def _query_layers(self, h, fwd, bwd, positions, cond, segment_ids, idx):
         """Query layers over the streams' final states: query i attends to left-stream states
