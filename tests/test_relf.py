@@ -556,9 +556,11 @@ def test_the_default_config_is_the_context_reading_relf():
         make_config("cpu", ["model=relf", "model.flow_kv_heads=3"])
     with pytest.raises(Exception, match="flow_query_layers"):  # 4 - 1 layers cannot split into two streams
         make_config("cpu", ["model=relf", "model.flow_query_layers=1"])
-    assert not cfg.model.flow_bag_input  # the leave-one-out bag input: an option of the blind-spot network
-    with pytest.raises(Exception, match="flow_bag_input"):
-        make_config("cpu", ["model=relf", "model.flow_bag_input=true", "flow.blind_spot=false"])
+    # the leave-one-out bag input: on by default (12-07, eighth session), the blind-spot network's own
+    assert cfg.model.flow_bag_input and build_model(dataclasses.replace(cfg.model, vocab_size=61),
+                                                    nnx.Rngs(0)).bag is not None
+    plain_model = dataclasses.replace(plain.model, vocab_size=61, flow_blind_spot=False)
+    assert build_model(plain_model, nnx.Rngs(0)).bag is None
     assert make_config("cpu", ["model=relf", "model.num_layers=3", "flow.blind_spot=false"])
 
 

@@ -147,6 +147,9 @@ def test_a_model_field_added_later_reads_as_it_was_then():
     assert model_settings_changed({k: v for k, v in ar_now.items() if k != "flow_embed_head"}, ar_now) == []
     assert model_settings_changed({**ar_now, "flow_embed_head": False}, ar_now) == []
     assert model_settings_changed({**ar_now, "mlp_dim": 1}, ar_now) == [("mlp_dim", 1, ar_now["mlp_dim"])]
+    # so is the bag input (the default since 12-07, eighth session): an older checkpoint has none
+    assert relf_now["flow_bag_input"]
+    assert not saved_model_config({k: v for k, v in relf_now.items() if k != "flow_bag_input"}).flow_bag_input
     # a field this version does not know (a patched model's) is a clear error, not a TypeError
     from relf_jax.config import ConfigError
 

@@ -184,7 +184,7 @@ def _train(sz: ToySizes, rows, table, *, use_singular: bool = True, aux_weight: 
                                     context_loss=blind_spot)
     model_cfg = dataclasses.replace(cfg.model, vocab_size=sz.vocab, max_seq_len=sz.length,
                                     flow_embed_dim=sz.embed_dim, flow_aux_head=settings.aux_weight > 0,
-                                    flow_blind_spot=blind_spot)
+                                    flow_blind_spot=blind_spot, flow_bag_input=default and cfg.model.flow_bag_input)
     data = ToyBatches(rows, sz.batch, sz.seed)
     if default and clean_start_steps(cfg) > 0:  # the default recipe's clean start, as train_relf has it
         data = CleanStart(data, clean_start_steps(cfg), cfg.flow.clean_t)
@@ -214,10 +214,11 @@ def bench_relf_toy(out: str, quick: bool = False, workdir: str | None = None, ov
     rows = candidate_rows(sz)
     table = jnp.asarray(emb.gaussian_embeddings(sz.vocab, sz.embed_dim, seed=sz.seed, norm=sz.embed_norm))
     # the sizes and overrides name each variant's directory: a rerun with other settings trains
-    # anew instead of resuming (and reporting) a model trained on another toy; so does the default
-    # recipe's clean start (a model trained before it was the default is not reused)
-    flow = make_config(sz.preset, ["model=relf", *overrides]).flow
-    key = [dataclasses.asdict(sz), list(overrides), [flow.clean_start, flow.clean_t]]
+    # anew instead of resuming (and reporting) a model trained on another toy; so do the default
+    # recipe's clean start and bag input (a model trained before they were the default is not reused)
+    default = make_config(sz.preset, ["model=relf", *overrides])
+    key = [dataclasses.asdict(sz), list(overrides), [default.flow.clean_start, default.flow.clean_t],
+           default.model.flow_bag_input]
     tag = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
     t0 = time.perf_counter()
     result = {"sizes": dataclasses.asdict(sz), "rows": []}

@@ -24,7 +24,7 @@ NO_PAIRS = {"pair_weight": 0.0, "data_weight": 1.0}
 
 # the paper's plain parametrisation, the ablation row of the core comparison
 PLAIN = ["flow.blind_spot=false", "model.flow_embed_head=false"]
-# the default before 12-07: the residual head's free matrix alone, without the embedding-tied part
+# the residual head's free matrix alone, without the embedding-tied part (the default head before 12-07)
 FREE_HEAD = ["model.flow_embed_head=false"]
 # the ReLF models of the core comparison: the default, and variants (overrides) against it
 # "query": two of the four layers as query layers over both streams (model.flow_query_layers), full
@@ -33,10 +33,10 @@ FREE_HEAD = ["model.flow_embed_head=false"]
 # "full_kv") is not better than the default. It costs 1.4-1.6x a network forward and 1.3-1.4x a
 # training step (docs/relf.md), so it is not the default.
 QUERY = ["model.flow_query_layers=2", "model.flow_kv_heads=4"]
-# "bag": a leave-one-out bag of the segment's tokens as a further input (model.flow_bag_input), the
-# form of a Bayes reader of the topic from noisy neighbours (docs/relf.md)
+# "bag": the leave-one-out bag input (model.flow_bag_input) named explicitly, as its rows were measured
+# before it became the default (12-07, eighth session; docs/relf.md); "no_bag": the default before it
 CORE_VARIANTS = {"relf": [], "plain": PLAIN, "free_head": FREE_HEAD, "whiten": ["flow.embed_whiten=true"],
                  "query": QUERY, "query_gqa": ["model.flow_query_layers=2"], "full_kv": ["model.flow_kv_heads=4"],
-                 "bag": ["model.flow_bag_input=true"]}
+                 "bag": ["model.flow_bag_input=true"], "no_bag": ["model.flow_bag_input=false"]}
 # what `--parts core` trains without --variants (the two halves of "query" only on request)
 DEFAULT_CORE_VARIANTS = ("relf", "plain", "free_head", "whiten", "query")

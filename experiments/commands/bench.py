@@ -39,7 +39,7 @@ def bench_args(p):
     p.add_argument("--variants", default=None, help="bench relf --parts core or --parts reflow only: which "
                                                     "ReLF models, comma-separated; core: among relf (the "
                                                     "default), plain, free_head, whiten, query, query_gqa, "
-                                                    "full_kv, bag (default: the first five); reflow: whose "
+                                                    "full_kv, bag, no_bag (default: the first five); reflow: whose "
                                                     "reflow studies, among relf, plain (default both)")
     p.add_argument("--ablation", action="store_true", help="bench bd only: also the old one-conversation-per-row "
                                                            "layout at the first budget")

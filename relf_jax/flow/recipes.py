@@ -146,7 +146,8 @@ def train_relf(cfg: Config, *, mesh=None) -> TrainResult:
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size,
                                     flow_prompt_input=cfg.model.flow_prompt_input or cfg.flow.prompt_prob > 0,
                                     flow_aux_head=cfg.model.flow_aux_head or cfg.flow.aux_weight > 0,
-                                    flow_blind_spot=cfg.flow.blind_spot)
+                                    flow_blind_spot=cfg.flow.blind_spot,
+                                    flow_bag_input=cfg.model.flow_bag_input and cfg.flow.blind_spot)
     cfg = dataclasses.replace(cfg, model=model_cfg)
     model_dir = os.path.join(cfg.workdir, "relf")
     check_resumable(model_dir, model_cfg)
