@@ -585,6 +585,12 @@ def test_resuming_with_other_query_layers_or_key_value_heads_is_refused(tmp_path
     # the paper's plain network has no query layers to compare
     saved = dataclasses.asdict(dataclasses.replace(cfg, flow_blind_spot=False))
     recipes.check_resumable(str(tmp_path), dataclasses.replace(cfg, flow_blind_spot=False, flow_query_layers=2))
+    # a checkpoint written before the bag input existed has none: resuming it under the new default
+    # is refused with the setting to use
+    saved = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "flow_bag_input"}
+    with pytest.raises(UserError, match="without a leave-one-out bag input; resume it with model.flow_bag_input=false"):
+        recipes.check_resumable(str(tmp_path), cfg)
+    recipes.check_resumable(str(tmp_path), dataclasses.replace(cfg, flow_bag_input=False))
 
 
 def test_segment_length_prior_draws_and_travels_with_safetensors(tmp_path):
