@@ -50,11 +50,12 @@ log of its singular posterior, is a further input (``evidence=``, computed by
 `relf_jax.flow.singular.evidence_input`; `relf_jax.flow.singular.network_residual` calls the
 network with it): a function of z_j alone, so the blind spot stays exact. Measured on the toy: no gain (docs/relf.md).
 
-With ``cfg.flow_bag_input`` (our extension, off) the blind-spot network's combine block also reads a
-leave-one-out bag of its segment: a per-token MLP of each input (time-conditioned), summed over
-the other positions of i's segment and divided by the square root of their number, projected by a
-zero-initialised matrix. It is the form of a Bayes reader of the conversation's topic from noisy
-neighbours (a sum of per-token log-likelihoods); position i's input never enters its own bag.
+With ``cfg.flow_bag_input`` (our extension, the default since 2026-12-07) the blind-spot network's
+combine block also reads a leave-one-out bag of its segment: a per-token MLP of each input
+(time-conditioned), summed over the other positions of i's segment and divided by the square root
+of their number, projected by a zero-initialised matrix. It is the form of a Bayes reader of the
+conversation's topic from noisy neighbours (a sum of per-token log-likelihoods); position i's input
+never enters its own bag.
 """
 
 from __future__ import annotations
