@@ -41,8 +41,7 @@ def variant_costs(out: str | None, variants: Sequence[str] = ("relf", "query"), 
     fns = {}
     for name in variants:
         cfg = make_config(preset, ["model=relf", *CORE_VARIANTS[name]])
-        model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab, flow_blind_spot=cfg.flow.blind_spot,
-                                        flow_bag_input=cfg.model.flow_bag_input and cfg.flow.blind_spot)
+        model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab, flow_blind_spot=cfg.flow.blind_spot)
         graphdef, params = nnx.split(FlowLM(model_cfg, rngs=nnx.Rngs(0)))
         table = jnp.asarray(np.random.default_rng(0).standard_normal((vocab, model_cfg.flow_embed_dim)), jnp.float32)
 
